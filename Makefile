@@ -1,0 +1,29 @@
+# queen-timers. `make help` lists the targets.
+.DEFAULT_GOAL := help
+SHELL := /bin/bash
+
+.PHONY: help run test bench install stop-db migration-initial psql
+
+help:  ## list the targets
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-18s %s\n", $$1, $$2}'
+
+run:  ## one broker on :6632 over the embedded cluster in .queen/ (or QUEEN_DATABASE_URL)
+	@scripts/run
+
+test:  ## install what is missing, throwaway cluster, pg_prove + pytest
+	@scripts/test $(PYTEST_ARGS)
+
+bench:  ## benchmarks and fault drills (bench/), results printed and in bench/out/
+	@bench/run $(BENCH_ARGS)
+
+install:  ## the venv and the Debian test tools, nothing else
+	@scripts/install-deps
+
+stop-db:  ## stop the embedded cluster started by make run
+	@scripts/pg-cluster stop .queen/pg
+
+psql:  ## psql into the embedded cluster's queen database
+	@psql "postgresql://postgres@127.0.0.1:$${QUEEN_PG_PORT:-6640}/queen"
+
+migration-initial:  ## until 0.1.0 ships: rebuild migration 001 from the canonical schema
+	@cat $$(ls sql/schema/*.sql | grep -v '/99_') > sql/migrations/001_initial.sql

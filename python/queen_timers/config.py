@@ -1,0 +1,114 @@
+"""Broker configuration: environment variables, all prefixed QUEEN_, each with a default.
+
+The README's configuration table is the reference; keep the two in step.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass, field
+
+
+class ConfigError(ValueError):
+    """A QUEEN_* variable has a value the broker cannot use."""
+
+
+def _int(env: dict[str, str], name: str, default: int, minimum: int = 0) -> int:
+    raw = env.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ConfigError(f"{name} must be an integer, got {raw!r}") from None
+    if value < minimum:
+        raise ConfigError(f"{name} must be >= {minimum}, got {value}")
+    return value
+
+
+def _choice(env: dict[str, str], name: str, default: str, choices: tuple[str, ...]) -> str:
+    value = (env.get(name) or default).strip().lower()
+    if value not in choices:
+        raise ConfigError(f"{name} must be one of {', '.join(choices)}, got {value!r}")
+    return value
+
+
+def _key(env: dict[str, str]) -> bytes | None:
+    raw = env.get("QUEEN_ENCRYPTION_KEY") or ""
+    if not raw:
+        return None
+    try:
+        key = bytes.fromhex(raw)
+    except ValueError:
+        key = b""
+    if len(key) != 32:
+        raise ConfigError("QUEEN_ENCRYPTION_KEY must be exactly 64 hex characters (32 bytes)")
+    return key
+
+
+@dataclass(frozen=True)
+class Settings:
+    database_url: str
+    host: str = "127.0.0.1"
+    port: int = 6632
+    broker_id: str = field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}")
+    # sweeper
+    sweeper_min_sleep_ms: int = 10
+    sweeper_max_sleep_ms: int = 1000
+    sweeper_lease_ms: int = 30000
+    sweeper_max_attempts: int = 5
+    sweeper_batch: int = 256
+    sweeper_backoff_ms: int = 1000
+    sweeper_backoff_max_ms: int = 300000
+    # timers
+    timers_horizon_ms: int = 90 * 24 * 3600 * 1000
+    timers_max_ops: int = 256
+    # security and tenancy
+    encryption_key: bytes | None = None
+    auth: str = "off"
+    jwt_secret: str | None = None
+    jwt_public_key: str | None = None
+    tenancy: bool = False
+    # database capacity
+    pool_min: int = 1
+    pool_max: int = 10
+    pool_timeout_ms: int = 2000
+    statement_timeout_ms: int = 5000
+
+    @classmethod
+    def from_env(cls, env: dict[str, str] | None = None) -> "Settings":
+        env = dict(os.environ if env is None else env)
+        url = env.get("QUEEN_DATABASE_URL")
+        if not url:
+            raise ConfigError("QUEEN_DATABASE_URL is required (make run sets it for the embedded cluster)")
+        auth = _choice(env, "QUEEN_AUTH", "off", ("off", "jwt"))
+        settings = cls(
+            database_url=url,
+            host=env.get("QUEEN_HOST") or "127.0.0.1",
+            port=_int(env, "QUEEN_PORT", 6632, 1),
+            broker_id=env.get("QUEEN_BROKER_ID") or f"{socket.gethostname()}-{os.getpid()}",
+            sweeper_min_sleep_ms=_int(env, "QUEEN_SWEEPER_MIN_SLEEP_MS", 10),
+            sweeper_max_sleep_ms=_int(env, "QUEEN_SWEEPER_MAX_SLEEP_MS", 1000, 1),
+            sweeper_lease_ms=_int(env, "QUEEN_SWEEPER_LEASE_MS", 30000, 1),
+            sweeper_max_attempts=_int(env, "QUEEN_SWEEPER_MAX_ATTEMPTS", 5, 1),
+            sweeper_batch=_int(env, "QUEEN_SWEEPER_BATCH", 256, 1),
+            sweeper_backoff_ms=_int(env, "QUEEN_SWEEPER_BACKOFF_MS", 1000, 1),
+            sweeper_backoff_max_ms=_int(env, "QUEEN_SWEEPER_BACKOFF_MAX_MS", 300000, 1),
+            timers_horizon_ms=_int(env, "QUEEN_TIMERS_HORIZON_MS", 90 * 24 * 3600 * 1000, 1),
+            timers_max_ops=_int(env, "QUEEN_TIMERS_MAX_OPS", 256, 1),
+            encryption_key=_key(env),
+            auth=auth,
+            jwt_secret=env.get("QUEEN_JWT_SECRET") or None,
+            jwt_public_key=env.get("QUEEN_JWT_PUBLIC_KEY") or None,
+            tenancy=_choice(env, "QUEEN_TENANCY", "off", ("off", "on")) == "on",
+            pool_min=_int(env, "QUEEN_POOL_MIN", 1, 0),
+            pool_max=_int(env, "QUEEN_POOL_MAX", 10, 1),
+            pool_timeout_ms=_int(env, "QUEEN_POOL_TIMEOUT_MS", 2000, 1),
+            statement_timeout_ms=_int(env, "QUEEN_STATEMENT_TIMEOUT_MS", 5000, 0),
+        )
+        if settings.sweeper_min_sleep_ms > settings.sweeper_max_sleep_ms:
+            raise ConfigError("QUEEN_SWEEPER_MIN_SLEEP_MS must not exceed QUEEN_SWEEPER_MAX_SLEEP_MS")
+        if auth == "jwt" and not (settings.jwt_secret or settings.jwt_public_key):
+            raise ConfigError("QUEEN_AUTH=jwt needs QUEEN_JWT_SECRET or QUEEN_JWT_PUBLIC_KEY")
+        return settings

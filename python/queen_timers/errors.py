@@ -1,0 +1,103 @@
+"""Domain errors and the one place where they become HTTP.
+
+SQL functions raise SQLSTATEs of class QT (see sql/schema/00_base.sql);
+capacity problems (pool exhausted, statement timeout, database gone) are
+503 timers_unavailable. Routes raise ApiError; app.py renders it.
+"""
+
+from __future__ import annotations
+
+import re
+
+import psycopg
+from psycopg import errors as pgerrors
+from psycopg_pool import PoolTimeout
+
+# SQLSTATE -> (HTTP status, error slug)
+SQLSTATE_HTTP: dict[str, tuple[int, str]] = {
+    "QTBAD": (400, "timers_bad_request"),
+    "QTOFF": (503, "timers_disabled"),
+    "QTGAT": (403, "feature_gated"),
+    "QTBLK": (403, "produce_blocked"),
+    "QTRAT": (429, "rate_limited"),
+    "QTQUO": (403, "timers_quota_exceeded"),
+    "QTHOR": (403, "timer_horizon_exceeded"),
+    "QTBIG": (413, "payload_too_large"),
+    "QTRPL": (409, "dlq_replay_refused"),
+    "QTNFD": (404, "not_found"),
+}
+
+# Failures that say "not now", never "never": they cost no fire attempt
+# and answer 503 on the HTTP side.
+TRANSIENT_SQLSTATES = {"40001", "40P01"}
+TRANSIENT_CLASSES = {"08", "53", "57"}
+
+_RETRY = re.compile(r"retry_after_seconds=(\d+)")
+
+
+class ApiError(Exception):
+    """An HTTP error in the documented shape: {"error": slug, "detail": text}."""
+
+    def __init__(self, status: int, error: str, detail: str | None = None,
+                 headers: dict[str, str] | None = None):
+        super().__init__(f"{status} {error}: {detail or ''}")
+        self.status = status
+        self.error = error
+        self.detail = detail
+        self.headers = dict(headers or {})
+
+    def body(self) -> dict:
+        body = {"error": self.error}
+        if self.detail:
+            body["detail"] = self.detail
+        return body
+
+
+def bad_request(detail: str) -> ApiError:
+    return ApiError(400, "timers_bad_request", detail)
+
+
+def is_transient_sqlstate(sqlstate: str | None) -> bool:
+    if not sqlstate:
+        return True  # no SQLSTATE: the connection broke before the server answered
+    return sqlstate in TRANSIENT_SQLSTATES or sqlstate[:2] in TRANSIENT_CLASSES
+
+
+def classify_failure(exc: BaseException) -> str:
+    """'transient' (backs off, costs no attempt) or 'permanent' for a fire failure."""
+    if isinstance(exc, psycopg.Error):
+        sqlstate = exc.sqlstate
+        if sqlstate is None:
+            return "transient" if isinstance(exc, psycopg.OperationalError) else "permanent"
+        return "transient" if is_transient_sqlstate(sqlstate) else "permanent"
+    if isinstance(exc, (PoolTimeout, ConnectionError, TimeoutError, OSError)):
+        return "transient"
+    return "permanent"
+
+
+def from_exception(exc: BaseException) -> ApiError | None:
+    """The ApiError for a database-side exception, or None if it is a bug."""
+    if isinstance(exc, ApiError):
+        return exc
+    if isinstance(exc, PoolTimeout):
+        return ApiError(503, "timers_unavailable", "no database connection available",
+                        {"Retry-After": "1"})
+    if isinstance(exc, psycopg.Error):
+        sqlstate = exc.sqlstate
+        diag = exc.diag
+        if sqlstate in SQLSTATE_HTTP:
+            status, slug = SQLSTATE_HTTP[sqlstate]
+            headers = {}
+            match = _RETRY.search(diag.message_hint or "")
+            if match:
+                headers["Retry-After"] = match.group(1)
+            elif status in (429, 503):
+                headers["Retry-After"] = "1"
+            return ApiError(status, slug, diag.message_detail, headers)
+        if isinstance(exc, pgerrors.QueryCanceled):
+            return ApiError(503, "timers_unavailable", "the database did not answer in time",
+                            {"Retry-After": "1"})
+        if sqlstate is None or is_transient_sqlstate(sqlstate) or isinstance(exc, psycopg.OperationalError):
+            return ApiError(503, "timers_unavailable", "the database cannot answer right now",
+                            {"Retry-After": "1"})
+    return None

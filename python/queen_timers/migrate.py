@@ -1,0 +1,81 @@
+"""Apply sql/migrations/NNN_name.sql in order, each once, each in its own transaction.
+
+Safe to run from several brokers at once: an advisory lock serialises
+them and applied versions are recorded in queen.schema_migrations.
+Refuses to start when the database holds a version this code does not know.
+
+    python -m queen_timers.migrate            # uses QUEEN_DATABASE_URL
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+from pathlib import Path
+
+import psycopg
+
+from .db import SQL_DIR
+
+_NAME = re.compile(r"^(\d{3})_([a-z0-9_]+)\.sql$")
+LOCK_KEY = 7_261_000_001  # pg_advisory_lock key for migrations
+
+
+class MigrationError(RuntimeError):
+    pass
+
+
+def available(directory: Path | None = None) -> list[tuple[int, str, Path]]:
+    directory = directory or SQL_DIR / "migrations"
+    found = []
+    for path in sorted(directory.iterdir()):
+        m = _NAME.match(path.name)
+        if m:
+            found.append((int(m.group(1)), m.group(2), path))
+    versions = [v for v, _, _ in found]
+    if versions != list(range(1, len(versions) + 1)):
+        raise MigrationError(f"migrations must be numbered 001, 002, ... without gaps: {versions}")
+    return found
+
+
+def migrate(conninfo: str, directory: Path | None = None) -> list[int]:
+    """Apply what is missing; return the versions applied now."""
+    todo = available(directory)
+    done: list[int] = []
+    with psycopg.connect(conninfo, autocommit=True) as conn:
+        conn.execute("SELECT pg_advisory_lock(%s)", (LOCK_KEY,))
+        try:
+            exists = conn.execute("SELECT to_regclass('queen.schema_migrations') IS NOT NULL").fetchone()[0]
+            applied = set()
+            if exists:
+                applied = {r[0] for r in conn.execute("SELECT version FROM queen.schema_migrations")}
+            known = {v for v, _, _ in todo}
+            if applied - known:
+                raise MigrationError(
+                    f"database has migrations {sorted(applied - known)} that this code does not know; upgrade the broker")
+            for version, name, path in todo:
+                if version in applied:
+                    continue
+                with conn.transaction():
+                    conn.execute(path.read_text())
+                    conn.execute("INSERT INTO queen.schema_migrations (version, name) VALUES (%s, %s)",
+                                 (version, name))
+                done.append(version)
+        finally:
+            conn.execute("SELECT pg_advisory_unlock(%s)", (LOCK_KEY,))
+    return done
+
+
+def main() -> int:
+    url = os.environ.get("QUEEN_DATABASE_URL")
+    if not url:
+        print("QUEEN_DATABASE_URL is required", file=sys.stderr)
+        return 2
+    applied = migrate(url)
+    print(f"migrations applied: {applied or 'none (up to date)'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,98 @@
+"""Payload bytes: strict base64, bounded zstd, and Queen's AES-256-GCM envelope."""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+import os
+
+import zstandard
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+# The payload ceiling is never above this (min(1 MiB, the plan's max)),
+# so inflating one byte past it is enough to prove a payload too large.
+ABSOLUTE_CEILING = 1024 * 1024
+
+
+class PayloadError(ValueError):
+    """The payload is not what it claims to be (bad base64, bad zstd, bad envelope)."""
+
+
+def decode_base64(text: object) -> bytes:
+    """Standard base64 with padding; anything else is a PayloadError."""
+    if not isinstance(text, str):
+        raise PayloadError("payload must be a base64 string")
+    try:
+        return base64.b64decode(text.encode("ascii"), validate=True)
+    except (binascii.Error, UnicodeEncodeError, ValueError):
+        raise PayloadError("payload is not valid base64") from None
+
+
+def encode_base64(data: bytes) -> str:
+    return base64.b64encode(data).decode("ascii")
+
+
+def inflate(data: bytes, limit: int = ABSOLUTE_CEILING) -> tuple[bytes, bool]:
+    """Decompress zstd without ever producing more than limit + 1 bytes.
+
+    Returns (bytes, over_limit). A frame that is not zstd is a PayloadError;
+    a bomb stops at limit + 1 bytes instead of filling memory.
+    """
+    if not data:
+        raise PayloadError("payload is not valid zstd: empty")
+    dctx = zstandard.ZstdDecompressor()
+    try:
+        reader = dctx.stream_reader(data, read_across_frames=True)
+        out = reader.read(limit + 1)
+        # read() may return less than asked at a frame boundary: drain in bounded steps
+        while len(out) <= limit:
+            chunk = reader.read(limit + 1 - len(out))
+            if not chunk:
+                break
+            out += chunk
+    except zstandard.ZstdError as exc:
+        raise PayloadError(f"payload is not valid zstd: {exc}") from None
+    return out[: limit + 1], len(out) > limit
+
+
+def encrypt(key: bytes, plaintext: bytes) -> bytes:
+    """Queen's envelope: JSON {"encrypted","iv","authTag"} (base64), AES-256-GCM, no AAD."""
+    iv = os.urandom(12)
+    sealed = AESGCM(key).encrypt(iv, plaintext, None)
+    envelope = {
+        "encrypted": encode_base64(sealed[:-16]),
+        "iv": encode_base64(iv),
+        "authTag": encode_base64(sealed[-16:]),
+    }
+    return json.dumps(envelope, separators=(",", ":")).encode("utf-8")
+
+
+def is_envelope(value: object) -> bool:
+    return isinstance(value, dict) and {"encrypted", "iv", "authTag"} <= value.keys()
+
+
+def decrypt(key: bytes, envelope_bytes: bytes) -> bytes:
+    """Open an envelope made by encrypt() or by Queen (16-byte IV: first 12 bytes are the nonce)."""
+    try:
+        env = json.loads(envelope_bytes)
+        if not is_envelope(env):
+            raise PayloadError("not an encryption envelope")
+        iv = base64.b64decode(env["iv"])
+        ct = base64.b64decode(env["encrypted"]) + base64.b64decode(env["authTag"])
+    except (ValueError, TypeError, binascii.Error) as exc:
+        raise PayloadError(f"bad encryption envelope: {exc}") from None
+    try:
+        return AESGCM(key).decrypt(iv[:12], ct, None)
+    except InvalidTag:
+        raise PayloadError("envelope does not open with this key") from None
+
+
+def as_json_data(data: bytes) -> object:
+    """What Queen clients read as `data`: the JSON value when the bytes are JSON,
+    otherwise the bytes as base64 text."""
+    try:
+        return json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError):
+        return encode_base64(data)

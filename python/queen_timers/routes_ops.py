@@ -1,0 +1,3 @@
+"""Routes: filled in by its issue."""
+
+routes: list = []

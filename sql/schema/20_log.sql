@@ -1,0 +1,151 @@
+-- =====================================================================
+-- Part 20: the minimal Queen-compatible log a timer fires into
+-- =====================================================================
+
+-- ---------------------------------------------------------------------
+-- Tables
+-- ---------------------------------------------------------------------
+
+CREATE TABLE queen.queues (
+    id                           uuid PRIMARY KEY DEFAULT gen_random_uuid(),
+    name                         text NOT NULL CONSTRAINT queues_name_unique UNIQUE,
+    namespace                    text,
+    task                         text,
+    lease_time                   integer NOT NULL DEFAULT 300,    -- seconds
+    retry_limit                  integer NOT NULL DEFAULT 3,
+    retry_delay                  integer NOT NULL DEFAULT 1000,   -- ms, stored and echoed (as Queen)
+    max_size                     integer NOT NULL DEFAULT 0,
+    ttl                          integer NOT NULL DEFAULT 3600,
+    priority                     integer NOT NULL DEFAULT 0,
+    delayed_processing           integer NOT NULL DEFAULT 0,
+    window_buffer                integer NOT NULL DEFAULT 0,
+    retention_seconds            integer NOT NULL DEFAULT 0,
+    completed_retention_seconds  integer NOT NULL DEFAULT 0,
+    retention_enabled            boolean NOT NULL DEFAULT false,
+    encryption_enabled           boolean NOT NULL DEFAULT false,
+    dead_letter_queue            boolean NOT NULL DEFAULT false,
+    dlq_after_max_retries        boolean NOT NULL DEFAULT false,
+    max_wait_time_seconds        integer NOT NULL DEFAULT 0,
+    created_at                   timestamptz NOT NULL DEFAULT now(),
+    updated_at                   timestamptz NOT NULL DEFAULT now(),
+    CONSTRAINT queue_name_not_empty CHECK (name <> '')
+);
+
+CREATE TABLE queen.partitions (
+    id          uuid PRIMARY KEY DEFAULT gen_random_uuid(),
+    queue_id    uuid NOT NULL REFERENCES queen.queues (id) ON DELETE CASCADE,
+    name        text NOT NULL DEFAULT 'Default',
+    created_at  timestamptz NOT NULL DEFAULT now(),
+    CONSTRAINT partitions_queue_name_unique UNIQUE (queue_id, name),
+    CONSTRAINT partition_name_not_empty CHECK (name <> '')
+);
+
+-- Frames. seq is the log order inside a partition: every writer takes
+-- the partition row lock (queen.lock_partition) before appending, so seq
+-- order is commit order and a consumer cursor never skips a late commit.
+CREATE TABLE queen.messages (
+    id              uuid PRIMARY KEY,
+    seq             bigint GENERATED ALWAYS AS IDENTITY,
+    transaction_id  text NOT NULL,
+    trace_id        uuid,
+    partition_id    uuid NOT NULL REFERENCES queen.partitions (id) ON DELETE CASCADE,
+    payload         bytea NOT NULL,
+    is_encrypted    boolean NOT NULL DEFAULT false,
+    producer_sub    text,
+    created_at      timestamptz NOT NULL DEFAULT now(),
+    CONSTRAINT messages_partition_transaction_unique UNIQUE (partition_id, transaction_id)
+);
+CREATE INDEX messages_partition_seq_idx ON queen.messages (partition_id, seq);
+
+-- A consumer group's cursor and lease on one partition (Queen's
+-- partition_consumers). '__QUEUE_MODE__' is the competing-consumers group.
+CREATE TABLE queen.partition_consumers (
+    partition_id        uuid NOT NULL REFERENCES queen.partitions (id) ON DELETE CASCADE,
+    consumer_group      text NOT NULL,
+    last_consumed_seq   bigint NOT NULL DEFAULT 0,
+    lease_id            uuid,
+    lease_expires_at    timestamptz,
+    batch_size          integer NOT NULL DEFAULT 0,
+    acked_count         integer NOT NULL DEFAULT 0,
+    batch_retry_count   integer NOT NULL DEFAULT 0,
+    batch_last_seq      bigint,
+    updated_at          timestamptz NOT NULL DEFAULT now(),
+    PRIMARY KEY (partition_id, consumer_group)
+);
+
+-- Dead letters, per queue (through the partition) and consumer group.
+-- A timer that exhausted its attempts lands here under the synthetic
+-- group '__QUEEN_TIMERS__'; its frame never entered the log, so the row
+-- carries the payload itself and message_id is not a foreign key.
+CREATE TABLE queen.dead_letter_queue (
+    id                   uuid PRIMARY KEY DEFAULT gen_random_uuid(),
+    message_id           uuid NOT NULL,
+    partition_id         uuid NOT NULL REFERENCES queen.partitions (id) ON DELETE CASCADE,
+    consumer_group       text NOT NULL,
+    transaction_id       text NOT NULL,
+    payload              bytea NOT NULL,
+    is_encrypted         boolean NOT NULL DEFAULT false,
+    producer_sub         text,
+    error_message        text,
+    retry_count          integer NOT NULL DEFAULT 0,
+    original_created_at  timestamptz,
+    failed_at            timestamptz NOT NULL DEFAULT now(),
+    timer_tenant         text,            -- set for timer dead letters
+    timer_key            text COLLATE "C" -- set for timer dead letters
+);
+CREATE INDEX dead_letter_queue_partition_idx ON queen.dead_letter_queue (partition_id, failed_at DESC);
+
+-- ---------------------------------------------------------------------
+-- Functions
+-- ---------------------------------------------------------------------
+
+-- The queue's id, creating it with defaults when it does not exist yet
+-- (queues and partitions are created on first use, as in Queen).
+CREATE FUNCTION queen.ensure_queue(p_queue text)
+RETURNS uuid
+LANGUAGE plpgsql AS $$
+DECLARE
+    v_id uuid;
+BEGIN
+    SELECT id INTO v_id FROM queen.queues WHERE name = p_queue;
+    IF FOUND THEN
+        RETURN v_id;
+    END IF;
+    INSERT INTO queen.queues (name, namespace, task)
+    VALUES (p_queue, nullif(split_part(p_queue, '.', 1), p_queue), nullif(split_part(p_queue, '.', 2), ''))
+    ON CONFLICT (name) DO NOTHING
+    RETURNING id INTO v_id;
+    IF v_id IS NULL THEN
+        SELECT id INTO v_id FROM queen.queues WHERE name = p_queue;
+    END IF;
+    RETURN v_id;
+END
+$$;
+
+-- The partition's id, created on first use, locked for appending until
+-- the caller's transaction ends (see queen.messages.seq).
+CREATE FUNCTION queen.lock_partition(p_queue text, p_partition text DEFAULT 'Default')
+RETURNS uuid
+LANGUAGE plpgsql AS $$
+DECLARE
+    v_queue_id uuid := queen.ensure_queue(p_queue);
+    v_id uuid;
+BEGIN
+    SELECT id INTO v_id FROM queen.partitions
+     WHERE queue_id = v_queue_id AND name = coalesce(p_partition, 'Default')
+       FOR NO KEY UPDATE;
+    IF FOUND THEN
+        RETURN v_id;
+    END IF;
+    INSERT INTO queen.partitions (queue_id, name)
+    VALUES (v_queue_id, coalesce(p_partition, 'Default'))
+    ON CONFLICT (queue_id, name) DO NOTHING
+    RETURNING id INTO v_id;
+    IF v_id IS NULL THEN
+        SELECT id INTO v_id FROM queen.partitions
+         WHERE queue_id = v_queue_id AND name = coalesce(p_partition, 'Default')
+           FOR NO KEY UPDATE;
+    END IF;
+    RETURN v_id;
+END
+$$;

@@ -1,0 +1,437 @@
+-- =====================================================================
+-- Part 30: timers: schedule / reschedule / cancel, peek and list
+--
+-- State of a row (there is no status column; it is derived):
+--   pending    deliver_at in the future, or due and not claimed
+--   claimed    lease_until > now(): a broker holds it and is about to
+--              fire; cancel and reschedule answer too_late
+--   backoff    a failed fire moved deliver_at forward and dropped the
+--              claim: claimed = false, cancellable
+--   (gone)     fired or dead-lettered: the row is deleted, no tombstone
+-- =====================================================================
+
+-- ---------------------------------------------------------------------
+-- Tables
+-- ---------------------------------------------------------------------
+
+CREATE TABLE queen.timers (
+    tenant           text NOT NULL,
+    queue            text NOT NULL,
+    timer_key        text COLLATE "C" NOT NULL,  -- byte order: a keyset cursor is stable across machines
+    partition        text NOT NULL DEFAULT 'Default',
+    deliver_at       timestamptz NOT NULL,
+    txn              text NOT NULL,
+    message_id       uuid NOT NULL,
+    payload          bytea NOT NULL,             -- as sent (or the encryption envelope)
+    payload_zstd     boolean NOT NULL DEFAULT false,
+    encrypted        boolean NOT NULL DEFAULT false,
+    producer_sub     text,
+    attempts         integer NOT NULL DEFAULT 0, -- budget spent: permanent and config failures only
+    failures         integer NOT NULL DEFAULT 0, -- every failure; drives the backoff exponent
+    last_error       text,
+    last_error_class text,
+    claim_id         uuid,
+    claimed_by       text,
+    lease_until      timestamptz,
+    created_at       timestamptz NOT NULL DEFAULT now(),
+    updated_at       timestamptz NOT NULL DEFAULT now(),
+    PRIMARY KEY (tenant, queue, timer_key),
+    CONSTRAINT timer_key_not_empty CHECK (timer_key <> ''),
+    CONSTRAINT queue_not_empty CHECK (queue <> ''),
+    CONSTRAINT txn_not_empty CHECK (txn <> ''),
+    CONSTRAINT claim_has_lease CHECK ((claim_id IS NULL) = (lease_until IS NULL))
+);
+-- The sweeper's scan: due rows in expiry order.
+CREATE INDEX timers_deliver_at_idx ON queen.timers (deliver_at);
+
+-- ---------------------------------------------------------------------
+-- Types
+-- ---------------------------------------------------------------------
+
+-- One operation of a POST /api/v1/timers batch.
+CREATE TYPE queen.timer_op AS (
+    op            text,     -- schedule | reschedule | cancel
+    queue         text,
+    timer_key     text,
+    delay_ms      bigint,   -- from PostgreSQL's now(); negative is legal (due at once)
+    txn           text,     -- required for schedule; minted when a reschedule omits it
+    payload       bytea,
+    partition     text,     -- NULL: 'Default'
+    payload_zstd  boolean,
+    encrypted     boolean,
+    raw_size      integer   -- decompressed size when payload_zstd (checked against the ceiling)
+);
+
+-- One verdict per operation, in input order.
+CREATE TYPE queen.timer_verdict AS (
+    ordinal     integer,
+    op          text,
+    ok          boolean,
+    status      text,       -- scheduled | rescheduled | cancelled | absent | too_late
+    queue       text,
+    timer_key   text,
+    txn         text,
+    message_id  uuid,
+    deliver_at  timestamptz
+);
+
+-- What peek shows of a timer (payload as stored, never decrypted).
+CREATE TYPE queen.timer_view AS (
+    tenant        text,
+    queue         text,
+    timer_key     text,
+    partition     text,
+    deliver_at    timestamptz,
+    txn           text,
+    message_id    uuid,
+    payload       bytea,
+    payload_zstd  boolean,
+    encrypted     boolean,
+    producer_sub  text,
+    attempts      integer,
+    last_error    text,
+    claimed       boolean,
+    created_at    timestamptz,
+    updated_at    timestamptz
+);
+
+-- ---------------------------------------------------------------------
+-- Functions
+-- ---------------------------------------------------------------------
+
+-- The single definition of "in somebody's hands".
+CREATE FUNCTION queen.timer_is_claimed(p_lease_until timestamptz, p_now timestamptz DEFAULT NULL)
+RETURNS boolean
+LANGUAGE sql IMMUTABLE AS $$
+    SELECT p_lease_until IS NOT NULL AND p_lease_until > coalesce(p_now, now())
+$$;
+
+-- Remove one timer unless a broker holds it. Takes the row lock first,
+-- so a cancel racing a claim waits for the claim and then answers
+-- too_late, and a claim (SKIP LOCKED) passes over a row being cancelled.
+-- Returns cancelled | absent | too_late and keeps the pending counter.
+CREATE FUNCTION queen.cancel_timer(
+    p_tenant    text,
+    p_queue     text,
+    p_timer_key text,
+    p_now       timestamptz DEFAULT NULL)
+RETURNS text
+LANGUAGE plpgsql AS $$
+DECLARE
+    v_now   timestamptz := coalesce(p_now, now());
+    v_lease timestamptz;
+BEGIN
+    IF p_queue IS NULL OR p_queue = '' OR p_timer_key IS NULL OR p_timer_key = '' THEN
+        RAISE EXCEPTION 'timers_bad_request'
+            USING ERRCODE = 'QTBAD', DETAIL = 'queue and timerKey are required';
+    END IF;
+    SELECT lease_until INTO v_lease
+      FROM queen.timers
+     WHERE tenant = p_tenant AND queue = p_queue AND timer_key = p_timer_key
+       FOR UPDATE;
+    IF NOT FOUND THEN
+        RETURN 'absent';
+    END IF;
+    IF queen.timer_is_claimed(v_lease, v_now) THEN
+        RETURN 'too_late';
+    END IF;
+    DELETE FROM queen.timers
+     WHERE tenant = p_tenant AND queue = p_queue AND timer_key = p_timer_key;
+    PERFORM queen.bump_tenant_usage(p_tenant, -1, 0);
+    RETURN 'cancelled';
+END
+$$;
+
+-- The gate ladder of POST /api/v1/timers, in order, before any write.
+-- Refuses the whole batch by raising; passing it has no visible effect
+-- besides the rate tokens taken (undone if the caller's batch fails).
+CREATE FUNCTION queen.check_timer_gates(
+    p_tenant     text,
+    p_ops        queen.timer_op[],
+    p_horizon_ms bigint      DEFAULT NULL,
+    p_tenancy    boolean     DEFAULT NULL,
+    p_now        timestamptz DEFAULT NULL)
+RETURNS queen.tenant_limits
+LANGUAGE plpgsql AS $$
+DECLARE
+    v_now     timestamptz := coalesce(p_now, now());
+    c         queen.cell_settings := queen.get_cell_settings();
+    l         queen.tenant_limits := queen.get_tenant_limits(p_tenant, p_horizon_ms, p_tenancy);
+    v_pending bigint;
+    v_new     bigint;
+    v_bad     queen.timer_op;
+BEGIN
+    -- 1. operator pause of scheduling: 503
+    IF c.scheduling_paused THEN
+        RAISE EXCEPTION 'timers_disabled'
+            USING ERRCODE = 'QTOFF', DETAIL = 'an operator paused scheduling (queen.pause_scheduling)',
+                  HINT = 'retry_after_seconds=30';
+    END IF;
+    -- 2. plan grant, or tenancy without a quota row
+    IF NOT l.has_quota_row THEN
+        RAISE EXCEPTION 'feature_gated'
+            USING ERRCODE = 'QTGAT', DETAIL = format('tenancy is on and tenant %s has no quota row', p_tenant);
+    END IF;
+    IF NOT l.timers_enabled THEN
+        RAISE EXCEPTION 'feature_gated'
+            USING ERRCODE = 'QTGAT', DETAIL = format('timers are not on the plan of tenant %s', p_tenant);
+    END IF;
+    -- 3. cluster or tenant produce block
+    IF l.produce_blocked THEN
+        RAISE EXCEPTION 'produce_blocked'
+            USING ERRCODE = 'QTBLK', DETAIL = format('producing is blocked for tenant %s', p_tenant);
+    END IF;
+    -- 4. rate, one token per operation
+    PERFORM queen.take_rate_tokens(p_tenant, cardinality(p_ops), l.rate_ops_per_second, l.rate_burst, v_now);
+    -- 5. pending-timer quota: rows this batch would create
+    IF l.max_pending_timers IS NOT NULL THEN
+        SELECT count(*) INTO v_new
+          FROM unnest(p_ops) o
+         WHERE o.op IN ('schedule', 'reschedule')
+           AND NOT EXISTS (SELECT 1 FROM queen.timers t
+                            WHERE t.tenant = p_tenant AND t.queue = o.queue AND t.timer_key = o.timer_key);
+        SELECT coalesce((SELECT pending_timers FROM queen.tenant_usage WHERE tenant = p_tenant), 0)
+          INTO v_pending;
+        IF v_new > 0 AND v_pending + v_new > l.max_pending_timers THEN
+            RAISE EXCEPTION 'timers_quota_exceeded'
+                USING ERRCODE = 'QTQUO',
+                      DETAIL = format('tenant %s has %s pending timers of %s; this batch adds %s',
+                                      p_tenant, v_pending, l.max_pending_timers, v_new);
+        END IF;
+    END IF;
+    -- 6. horizon
+    SELECT * INTO v_bad FROM unnest(p_ops) o
+     WHERE o.op IN ('schedule', 'reschedule') AND o.delay_ms > l.horizon_ms LIMIT 1;
+    IF FOUND THEN
+        RAISE EXCEPTION 'timer_horizon_exceeded'
+            USING ERRCODE = 'QTHOR',
+                  DETAIL = format('delayMs %s for %s/%s is beyond the horizon of %s ms',
+                                  v_bad.delay_ms, v_bad.queue, v_bad.timer_key, l.horizon_ms);
+    END IF;
+    -- 7. payload ceiling, on the decoded and on the decompressed bytes
+    SELECT * INTO v_bad FROM unnest(p_ops) o
+     WHERE o.op IN ('schedule', 'reschedule')
+       AND greatest(octet_length(o.payload), coalesce(o.raw_size, 0)) > l.max_payload_bytes LIMIT 1;
+    IF FOUND THEN
+        RAISE EXCEPTION 'payload_too_large'
+            USING ERRCODE = 'QTBIG',
+                  DETAIL = format('payload of %s/%s is %s bytes; the ceiling is %s',
+                                  v_bad.queue, v_bad.timer_key,
+                                  greatest(octet_length(v_bad.payload), coalesce(v_bad.raw_size, 0)),
+                                  l.max_payload_bytes);
+    END IF;
+    RETURN l;
+END
+$$;
+
+-- Shape checks shared by every caller (HTTP validates first; this is
+-- for psql users, so a DBA's batch gets the same 400 the wire gets).
+CREATE FUNCTION queen.check_timer_ops(p_ops queen.timer_op[], p_max_ops integer DEFAULT NULL)
+RETURNS void
+LANGUAGE plpgsql STABLE AS $$
+DECLARE
+    v_max integer := coalesce(p_max_ops, (queen.get_cell_settings()).max_ops);
+    v_msg text;
+BEGIN
+    IF cardinality(p_ops) > v_max THEN
+        RAISE EXCEPTION 'timers_bad_request'
+            USING ERRCODE = 'QTBAD', DETAIL = format('%s operations; at most %s per call', cardinality(p_ops), v_max);
+    END IF;
+    SELECT CASE
+             WHEN o.op IS NULL OR o.op NOT IN ('schedule', 'reschedule', 'cancel')
+               THEN format('operation %s: unknown op %L', n, o.op)
+             WHEN o.queue IS NULL OR o.queue = ''
+               THEN format('operation %s: queue is required', n)
+             WHEN o.timer_key IS NULL OR o.timer_key = ''
+               THEN format('operation %s: timerKey is required', n)
+             WHEN o.op <> 'cancel' AND o.delay_ms IS NULL
+               THEN format('operation %s: delayMs is required', n)
+             WHEN o.op = 'schedule' AND (o.txn IS NULL OR o.txn = '')
+               THEN format('operation %s: txn is required', n)
+             WHEN o.op <> 'cancel' AND o.payload IS NULL
+               THEN format('operation %s: payload is required', n)
+             WHEN o.partition = ''
+               THEN format('operation %s: partition may not be empty', n)
+           END
+      INTO v_msg
+      FROM unnest(p_ops) WITH ORDINALITY AS o(op, queue, timer_key, delay_ms, txn, payload,
+                                              partition, payload_zstd, encrypted, raw_size, n)
+     WHERE o.op IS NULL OR o.op NOT IN ('schedule', 'reschedule', 'cancel')
+        OR o.queue IS NULL OR o.queue = '' OR o.timer_key IS NULL OR o.timer_key = ''
+        OR (o.op <> 'cancel' AND (o.delay_ms IS NULL OR o.payload IS NULL))
+        OR (o.op = 'schedule' AND (o.txn IS NULL OR o.txn = ''))
+        OR o.partition = ''
+     ORDER BY n LIMIT 1;
+    IF v_msg IS NOT NULL THEN
+        RAISE EXCEPTION 'timers_bad_request' USING ERRCODE = 'QTBAD', DETAIL = v_msg;
+    END IF;
+    SELECT format('(%s, %s) appears more than once in the batch', queue, timer_key) INTO v_msg
+      FROM unnest(p_ops) GROUP BY queue, timer_key HAVING count(*) > 1 LIMIT 1;
+    IF v_msg IS NOT NULL THEN
+        RAISE EXCEPTION 'timers_bad_request' USING ERRCODE = 'QTBAD', DETAIL = v_msg;
+    END IF;
+END
+$$;
+
+-- The batch behind POST /api/v1/timers: shape checks, the gate ladder,
+-- then every operation, one verdict each, in input order. schedule and
+-- reschedule are the same upsert on (tenant, queue, timer_key); an
+-- upsert of a claimed row answers too_late and changes nothing. Each
+-- accepted upsert mints a new message id, resets attempts, clears the
+-- last error and is billed one message; cancels bill nothing.
+-- Rows are touched in (queue, timer_key) order so that concurrent
+-- batches cannot deadlock each other.
+CREATE FUNCTION queen.schedule_timers(
+    p_tenant       text,
+    p_ops          queen.timer_op[],
+    p_producer_sub text        DEFAULT NULL,
+    p_horizon_ms   bigint      DEFAULT NULL,
+    p_tenancy      boolean     DEFAULT NULL,
+    p_now          timestamptz DEFAULT NULL)
+RETURNS SETOF queen.timer_verdict
+LANGUAGE plpgsql AS $$
+DECLARE
+    v_now      timestamptz := coalesce(p_now, now());
+    v_out      queen.timer_verdict[] := '{}';
+    v          queen.timer_verdict;
+    o          record;
+    v_inserted boolean;
+    v_msg_id   uuid;
+    v_txn      text;
+    v_status   text;
+    v_pending  bigint := 0;
+    v_billed   bigint := 0;
+BEGIN
+    IF p_tenant IS NULL OR p_tenant = '' THEN
+        RAISE EXCEPTION 'timers_bad_request' USING ERRCODE = 'QTBAD', DETAIL = 'tenant is required';
+    END IF;
+    IF p_ops IS NULL OR cardinality(p_ops) = 0 THEN
+        RETURN;
+    END IF;
+    PERFORM queen.check_timer_ops(p_ops);
+    PERFORM queen.check_timer_gates(p_tenant, p_ops, p_horizon_ms, p_tenancy, v_now);
+
+    FOR o IN
+        SELECT x.*, x.n::integer AS ordinal
+          FROM unnest(p_ops) WITH ORDINALITY AS x(op, queue, timer_key, delay_ms, txn, payload,
+                                                  partition, payload_zstd, encrypted, raw_size, n)
+         ORDER BY x.queue, x.timer_key COLLATE "C"
+    LOOP
+        v := ROW(o.ordinal, o.op, false, NULL, o.queue, o.timer_key, o.txn, NULL, NULL);
+        IF o.op = 'cancel' THEN
+            v_status := queen.cancel_timer(p_tenant, o.queue, o.timer_key, v_now);
+            v.status := v_status;
+            v.ok := v_status = 'cancelled';
+        ELSE
+            v_msg_id := queen.uuid_v7();
+            v_txn := coalesce(nullif(o.txn, ''), queen.uuid_v7()::text);
+            INSERT INTO queen.timers AS t
+                   (tenant, queue, timer_key, partition, deliver_at, txn, message_id, payload,
+                    payload_zstd, encrypted, producer_sub, created_at, updated_at)
+            VALUES (p_tenant, o.queue, o.timer_key, coalesce(o.partition, 'Default'),
+                    v_now + o.delay_ms * interval '1 millisecond', v_txn, v_msg_id, o.payload,
+                    coalesce(o.payload_zstd, false), coalesce(o.encrypted, false), p_producer_sub,
+                    v_now, v_now)
+            ON CONFLICT (tenant, queue, timer_key) DO UPDATE
+               SET partition = EXCLUDED.partition, deliver_at = EXCLUDED.deliver_at,
+                   txn = EXCLUDED.txn, message_id = EXCLUDED.message_id,
+                   payload = EXCLUDED.payload, payload_zstd = EXCLUDED.payload_zstd,
+                   encrypted = EXCLUDED.encrypted, producer_sub = EXCLUDED.producer_sub,
+                   attempts = 0, failures = 0, last_error = NULL, last_error_class = NULL,
+                   claim_id = NULL, claimed_by = NULL, lease_until = NULL,
+                   updated_at = v_now
+             -- an expired lease is a dead claim: the upsert takes the row over
+             WHERE NOT queen.timer_is_claimed(t.lease_until, v_now)
+            RETURNING (xmax = 0) INTO v_inserted;
+            IF NOT FOUND THEN
+                v.status := 'too_late';
+            ELSE
+                v.ok := true;
+                v.status := CASE WHEN v_inserted THEN 'scheduled' ELSE 'rescheduled' END;
+                v.txn := v_txn;
+                v.message_id := v_msg_id;
+                v.deliver_at := v_now + o.delay_ms * interval '1 millisecond';
+                v_billed := v_billed + 1;
+                IF v_inserted THEN
+                    v_pending := v_pending + 1;
+                END IF;
+            END IF;
+        END IF;
+        v_out := v_out || v;
+    END LOOP;
+
+    IF v_pending <> 0 OR v_billed <> 0 THEN
+        PERFORM queen.bump_tenant_usage(p_tenant, v_pending, v_billed);
+    END IF;
+    -- Wake sweepers whose next planned wake-up is later than this.
+    PERFORM pg_notify('queen_timers', extract(epoch FROM min(x.deliver_at))::text)
+       FROM unnest(v_out) x WHERE x.deliver_at IS NOT NULL HAVING min(x.deliver_at) IS NOT NULL;
+
+    RETURN QUERY SELECT * FROM unnest(v_out) ORDER BY ordinal;
+END
+$$;
+
+-- One timer as peek shows it; no row when there is none (for this tenant).
+CREATE FUNCTION queen.peek_timer(
+    p_tenant    text,
+    p_queue     text,
+    p_timer_key text,
+    p_now       timestamptz DEFAULT NULL)
+RETURNS SETOF queen.timer_view
+LANGUAGE sql STABLE AS $$
+    SELECT tenant, queue, timer_key, partition, deliver_at, txn, message_id, payload, payload_zstd,
+           encrypted, producer_sub, attempts, last_error,
+           queen.timer_is_claimed(lease_until, coalesce(p_now, now())), created_at, updated_at
+      FROM queen.timers
+     WHERE tenant = p_tenant AND queue = p_queue AND timer_key = p_timer_key
+$$;
+
+-- A keyset page of one queue's pending timers, without payloads.
+-- p_after is exclusive; p_limit is clamped to 1..1000 (default 100).
+-- truncated and next_after repeat on every row of the page (an empty
+-- page is never truncated).
+CREATE FUNCTION queen.list_timers(
+    p_tenant text,
+    p_queue  text,
+    p_after  text    DEFAULT NULL,
+    p_limit  integer DEFAULT 100,
+    p_now    timestamptz DEFAULT NULL)
+RETURNS TABLE (
+    timer_key    text,
+    partition    text,
+    deliver_at   timestamptz,
+    txn          text,
+    message_id   uuid,
+    payload_zstd boolean,
+    encrypted    boolean,
+    producer_sub text,
+    attempts     integer,
+    last_error   text,
+    claimed      boolean,
+    created_at   timestamptz,
+    updated_at   timestamptz,
+    truncated    boolean,
+    next_after   text)
+LANGUAGE sql STABLE AS $$
+    WITH lim AS (
+        SELECT least(greatest(coalesce(p_limit, 100), 1), 1000) AS n
+    ), page AS (
+        SELECT t.*, row_number() OVER (ORDER BY t.timer_key COLLATE "C") AS rn
+          FROM queen.timers t
+         WHERE t.tenant = p_tenant AND t.queue = p_queue
+           AND (p_after IS NULL OR t.timer_key > p_after COLLATE "C")
+         ORDER BY t.timer_key COLLATE "C"
+         LIMIT (SELECT n + 1 FROM lim)
+    ), flags AS (
+        SELECT count(*) > (SELECT n FROM lim) AS truncated,
+               max(timer_key) FILTER (WHERE rn = (SELECT n FROM lim)) AS last_key
+          FROM page
+    )
+    SELECT p.timer_key, p.partition, p.deliver_at, p.txn, p.message_id, p.payload_zstd, p.encrypted,
+           p.producer_sub, p.attempts, p.last_error,
+           queen.timer_is_claimed(p.lease_until, coalesce(p_now, now())), p.created_at, p.updated_at,
+           f.truncated, CASE WHEN f.truncated THEN f.last_key END
+      FROM page p, flags f
+     WHERE p.rn <= (SELECT n FROM lim)
+     ORDER BY p.timer_key COLLATE "C"
+$$;

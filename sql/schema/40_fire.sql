@@ -1,0 +1,336 @@
+-- =====================================================================
+-- Part 40: the fire: claim, fire, fail (backoff / DLQ), operator controls
+-- =====================================================================
+
+-- ---------------------------------------------------------------------
+-- Types
+-- ---------------------------------------------------------------------
+
+-- A timer a broker claimed: what it needs to build the frame.
+CREATE TYPE queen.claimed_timer AS (
+    claim_id      uuid,
+    tenant        text,
+    queue         text,
+    timer_key     text,
+    partition     text,
+    deliver_at    timestamptz,
+    lease_until   timestamptz,
+    txn           text,
+    message_id    uuid,
+    payload       bytea,
+    payload_zstd  boolean,
+    encrypted     boolean,
+    attempts      integer
+);
+
+-- A frame to fire for a claimed timer; payload NULL means "the stored
+-- bytes" (only a zstd payload needs the broker to hand back new bytes).
+CREATE TYPE queen.fire_frame AS (
+    tenant     text,
+    queue      text,
+    timer_key  text,
+    payload    bytea
+);
+
+-- The outcome of firing one timer.
+CREATE TYPE queen.fire_result AS (
+    tenant        text,
+    queue         text,
+    timer_key     text,
+    outcome       text,        -- fired | duplicate (txn already in the partition) | lost (claim no longer held)
+    message_id    uuid,
+    partition_id  uuid,
+    deliver_at    timestamptz,
+    fired_at      timestamptz
+);
+
+-- ---------------------------------------------------------------------
+-- Operator controls
+-- ---------------------------------------------------------------------
+
+-- Pause or resume scheduling: POST /api/v1/timers answers 503
+-- timers_disabled; DELETE, peek, list and the fire go on.
+CREATE FUNCTION queen.pause_scheduling(p_paused boolean DEFAULT true)
+RETURNS boolean
+LANGUAGE sql AS $$
+    UPDATE queen.cell_settings SET scheduling_paused = p_paused, updated_at = now() WHERE id
+    RETURNING scheduling_paused
+$$;
+
+CREATE FUNCTION queen.resume_scheduling()
+RETURNS boolean
+LANGUAGE sql AS $$
+    SELECT NOT queen.pause_scheduling(false)
+$$;
+
+-- Pause or resume the fire in every broker of the cell. This is the only
+-- switch that stops the fire; no automatic rung ever does.
+CREATE FUNCTION queen.pause_fire(p_paused boolean DEFAULT true)
+RETURNS boolean
+LANGUAGE sql AS $$
+    UPDATE queen.cell_settings SET fire_paused = p_paused, updated_at = now() WHERE id
+    RETURNING fire_paused
+$$;
+
+CREATE FUNCTION queen.resume_fire()
+RETURNS boolean
+LANGUAGE sql AS $$
+    SELECT NOT queen.pause_fire(false)
+$$;
+
+-- ---------------------------------------------------------------------
+-- Claim and fire
+-- ---------------------------------------------------------------------
+
+-- Append the frames of deleted timer rows to the log, in expiry order,
+-- and keep the tenants' pending counters. Internal to the fire.
+CREATE FUNCTION queen.append_timer_frames(p_rows queen.timers[], p_frames queen.fire_frame[] DEFAULT NULL)
+RETURNS SETOF queen.fire_result
+LANGUAGE plpgsql AS $$
+DECLARE
+    v_fired_at timestamptz := clock_timestamp();
+BEGIN
+    -- Lock every destination partition, in a fixed order, before appending.
+    PERFORM queen.lock_partition(d.queue, d.partition)
+       FROM (SELECT DISTINCT r.queue, r.partition FROM unnest(p_rows) r ORDER BY 1, 2) d;
+
+    PERFORM queen.bump_tenant_usage(r.tenant, -count(*), 0)
+       FROM unnest(p_rows) r GROUP BY r.tenant;
+
+    RETURN QUERY
+    WITH src AS (
+        SELECT r.*, coalesce(f.payload, r.payload) AS frame_payload, p.id AS partition_id
+          FROM unnest(p_rows) r
+          JOIN queen.queues q ON q.name = r.queue
+          JOIN queen.partitions p ON p.queue_id = q.id AND p.name = r.partition
+          LEFT JOIN unnest(p_frames) f
+                 ON f.tenant = r.tenant AND f.queue = r.queue AND f.timer_key = r.timer_key
+    ), ins AS (
+        INSERT INTO queen.messages (id, transaction_id, partition_id, payload, is_encrypted, producer_sub)
+        SELECT s.message_id, s.txn, s.partition_id, s.frame_payload, s.encrypted, s.producer_sub
+          FROM src s
+         ORDER BY s.deliver_at, s.message_id
+        ON CONFLICT (partition_id, transaction_id) DO NOTHING
+        RETURNING id
+    )
+    SELECT s.tenant, s.queue, s.timer_key,
+           CASE WHEN i.id IS NULL THEN 'duplicate' ELSE 'fired' END,
+           s.message_id, s.partition_id, s.deliver_at, v_fired_at
+      FROM src s LEFT JOIN ins i ON i.id = s.message_id
+     ORDER BY s.deliver_at, s.message_id;
+END
+$$;
+
+-- Claim up to p_limit due timers for p_lease_ms, in expiry order,
+-- skipping rows another session holds. A row whose lease expired (its
+-- broker died) is due again. Nothing is claimed while the fire is paused.
+CREATE FUNCTION queen.claim_timers(
+    p_broker   text,
+    p_limit    integer     DEFAULT 100,
+    p_lease_ms integer     DEFAULT 30000,
+    p_now      timestamptz DEFAULT NULL)
+RETURNS SETOF queen.claimed_timer
+LANGUAGE plpgsql AS $$
+DECLARE
+    v_now   timestamptz := coalesce(p_now, now());
+    v_claim uuid := gen_random_uuid();
+BEGIN
+    IF (queen.get_cell_settings()).fire_paused THEN
+        RETURN;
+    END IF;
+    RETURN QUERY
+    WITH due AS (
+        SELECT t.tenant, t.queue, t.timer_key
+          FROM queen.timers t
+         WHERE t.deliver_at <= v_now
+           AND NOT queen.timer_is_claimed(t.lease_until, v_now)
+         ORDER BY t.deliver_at
+         LIMIT greatest(p_limit, 0)
+           FOR UPDATE SKIP LOCKED
+    )
+    UPDATE queen.timers t
+       SET claim_id = v_claim, claimed_by = p_broker,
+           lease_until = v_now + greatest(p_lease_ms, 1) * interval '1 millisecond'
+      FROM due
+     WHERE (t.tenant, t.queue, t.timer_key) = (due.tenant, due.queue, due.timer_key)
+    RETURNING v_claim, t.tenant, t.queue, t.timer_key, t.partition, t.deliver_at, t.lease_until,
+              t.txn, t.message_id, t.payload, t.payload_zstd, t.encrypted, t.attempts;
+END
+$$;
+
+-- Fire claimed timers: in one transaction, delete each row still held by
+-- p_claim_id and append its frame to the log. A row whose claim was lost
+-- (lease expired and taken over, rescheduled, or cancelled after expiry)
+-- answers 'lost' and is left alone. p_frames names the timers to fire;
+-- its payload, when not NULL, replaces the stored bytes (zstd inflated).
+CREATE FUNCTION queen.fire_timers(
+    p_claim_id uuid,
+    p_frames   queen.fire_frame[],
+    p_now      timestamptz DEFAULT NULL)
+RETURNS SETOF queen.fire_result
+LANGUAGE plpgsql AS $$
+DECLARE
+    v_now  timestamptz := coalesce(p_now, now());
+    v_rows queen.timers[];
+BEGIN
+    WITH held AS (
+        SELECT t.tenant, t.queue, t.timer_key
+          FROM queen.timers t
+          JOIN unnest(p_frames) f USING (tenant, queue, timer_key)
+         WHERE t.claim_id = p_claim_id AND queen.timer_is_claimed(t.lease_until, v_now)
+         ORDER BY t.tenant, t.queue, t.timer_key
+           FOR UPDATE OF t
+    ), gone AS (
+        DELETE FROM queen.timers t USING held h
+         WHERE (t.tenant, t.queue, t.timer_key) = (h.tenant, h.queue, h.timer_key)
+        RETURNING t.*
+    )
+    SELECT array_agg(gone) INTO v_rows FROM gone;
+
+    IF v_rows IS NOT NULL THEN
+        RETURN QUERY SELECT * FROM queen.append_timer_frames(v_rows, p_frames);
+    END IF;
+    RETURN QUERY
+    SELECT f.tenant, f.queue, f.timer_key, 'lost'::text, NULL::uuid, NULL::uuid, NULL::timestamptz, NULL::timestamptz
+      FROM unnest(p_frames) f
+     WHERE v_rows IS NULL
+        OR NOT EXISTS (SELECT 1 FROM unnest(v_rows) r
+                        WHERE (r.tenant, r.queue, r.timer_key) = (f.tenant, f.queue, f.timer_key));
+END
+$$;
+
+-- Claim and fire in one transaction: the row lock is the claim, so no
+-- lease is needed and a broker dying mid-call loses nothing (the
+-- transaction rolls back). Used for every due timer whose frame needs
+-- nothing from the broker (no zstd to inflate). Expiry order, SKIP LOCKED.
+CREATE FUNCTION queen.fire_due_timers(
+    p_limit integer     DEFAULT 100,
+    p_now   timestamptz DEFAULT NULL)
+RETURNS SETOF queen.fire_result
+LANGUAGE plpgsql AS $$
+DECLARE
+    v_now  timestamptz := coalesce(p_now, now());
+    v_rows queen.timers[];
+BEGIN
+    IF (queen.get_cell_settings()).fire_paused THEN
+        RETURN;
+    END IF;
+    WITH due AS (
+        SELECT t.tenant, t.queue, t.timer_key
+          FROM queen.timers t
+         WHERE t.deliver_at <= v_now
+           AND NOT t.payload_zstd
+           AND NOT queen.timer_is_claimed(t.lease_until, v_now)
+         ORDER BY t.deliver_at
+         LIMIT greatest(p_limit, 0)
+           FOR UPDATE SKIP LOCKED
+    ), gone AS (
+        DELETE FROM queen.timers t USING due d
+         WHERE (t.tenant, t.queue, t.timer_key) = (d.tenant, d.queue, d.timer_key)
+        RETURNING t.*
+    )
+    SELECT array_agg(gone) INTO v_rows FROM gone;
+
+    IF v_rows IS NOT NULL THEN
+        RETURN QUERY SELECT * FROM queen.append_timer_frames(v_rows, NULL);
+    END IF;
+END
+$$;
+
+-- A failed fire of a claimed timer. The claim is dropped; the timer
+-- backs off exponentially (p_backoff_ms * 2^(failures-1), at most
+-- p_backoff_max_ms). Only 'permanent' and 'config' failures spend the
+-- attempt budget; 'transient' ones cost nothing. When attempts reach
+-- p_max_attempts the timer moves to its queue's DLQ under the group
+-- '__QUEEN_TIMERS__'. Returns backoff | dead_lettered | lost.
+CREATE FUNCTION queen.fail_timer(
+    p_tenant         text,
+    p_queue          text,
+    p_timer_key      text,
+    p_claim_id       uuid,
+    p_error_class    text,
+    p_error          text,
+    p_max_attempts   integer     DEFAULT 5,
+    p_backoff_ms     integer     DEFAULT 1000,
+    p_backoff_max_ms integer     DEFAULT 300000,
+    p_now            timestamptz DEFAULT NULL)
+RETURNS text
+LANGUAGE plpgsql AS $$
+DECLARE
+    v_now   timestamptz := coalesce(p_now, now());
+    r       queen.timers;
+    v_spend boolean;
+    v_part  uuid;
+BEGIN
+    IF p_error_class IS NULL OR p_error_class NOT IN ('transient', 'permanent', 'config') THEN
+        RAISE EXCEPTION 'timers_bad_request'
+            USING ERRCODE = 'QTBAD', DETAIL = format('unknown failure class %L', p_error_class);
+    END IF;
+    v_spend := p_error_class IN ('permanent', 'config');
+
+    SELECT * INTO r FROM queen.timers
+     WHERE tenant = p_tenant AND queue = p_queue AND timer_key = p_timer_key
+       AND claim_id = p_claim_id AND queen.timer_is_claimed(lease_until, v_now)
+       FOR UPDATE;
+    IF NOT FOUND THEN
+        RETURN 'lost';
+    END IF;
+
+    IF v_spend AND r.attempts + 1 >= p_max_attempts THEN
+        DELETE FROM queen.timers
+         WHERE tenant = p_tenant AND queue = p_queue AND timer_key = p_timer_key;
+        v_part := queen.lock_partition(r.queue, r.partition);
+        INSERT INTO queen.dead_letter_queue
+               (message_id, partition_id, consumer_group, transaction_id, payload, is_encrypted,
+                producer_sub, error_message, retry_count, original_created_at, failed_at,
+                timer_tenant, timer_key)
+        VALUES (r.message_id, v_part, '__QUEEN_TIMERS__', r.txn, r.payload, r.encrypted,
+                r.producer_sub, p_error, r.attempts + 1, r.created_at, v_now,
+                r.tenant, r.timer_key);
+        PERFORM queen.bump_tenant_usage(r.tenant, -1, 0);
+        RETURN 'dead_lettered';
+    END IF;
+
+    UPDATE queen.timers
+       SET attempts = attempts + CASE WHEN v_spend THEN 1 ELSE 0 END,
+           failures = failures + 1,
+           last_error = p_error,
+           last_error_class = p_error_class,
+           claim_id = NULL, claimed_by = NULL, lease_until = NULL,
+           deliver_at = v_now + least(p_backoff_max_ms::numeric,
+                                      p_backoff_ms::numeric * power(2::numeric, least(r.failures, 30)))
+                                * interval '1 millisecond',
+           updated_at = v_now
+     WHERE tenant = p_tenant AND queue = p_queue AND timer_key = p_timer_key;
+    RETURN 'backoff';
+END
+$$;
+
+-- Replay a DLQ row into its partition as a new frame (new message id,
+-- transaction id '<original>#replay-<dlq id>'), deleting the DLQ row.
+-- A timer's dead letter is refused with QTRPL: its frame never had a
+-- consumer group, and republishing it into a phantom group has no
+-- defined meaning.
+CREATE FUNCTION queen.replay_dlq_entry(p_dlq_id uuid)
+RETURNS uuid
+LANGUAGE plpgsql AS $$
+DECLARE
+    d      queen.dead_letter_queue;
+    v_id   uuid := queen.uuid_v7();
+BEGIN
+    SELECT * INTO d FROM queen.dead_letter_queue WHERE id = p_dlq_id FOR UPDATE;
+    IF NOT FOUND THEN
+        RAISE EXCEPTION 'not_found' USING ERRCODE = 'QTNFD', DETAIL = format('no DLQ entry %s', p_dlq_id);
+    END IF;
+    IF d.consumer_group = '__QUEEN_TIMERS__' THEN
+        RAISE EXCEPTION 'dlq_replay_refused'
+            USING ERRCODE = 'QTRPL',
+                  DETAIL = 'a timer''s dead letter never had a consumer group and its offset is not a position; schedule a new timer instead';
+    END IF;
+    PERFORM 1 FROM queen.partitions WHERE id = d.partition_id FOR NO KEY UPDATE;
+    INSERT INTO queen.messages (id, transaction_id, partition_id, payload, is_encrypted, producer_sub)
+    VALUES (v_id, d.transaction_id || '#replay-' || d.id, d.partition_id, d.payload, d.is_encrypted, d.producer_sub);
+    DELETE FROM queen.dead_letter_queue WHERE id = p_dlq_id;
+    RETURN v_id;
+END
+$$;

@@ -1,0 +1,6 @@
+-- =====================================================================
+-- Part 99: a database built from this schema is at the latest migration.
+-- Add a row here with every new file in sql/migrations/.
+-- =====================================================================
+INSERT INTO queen.schema_migrations (version, name) VALUES
+    (1, 'initial');

@@ -1,0 +1,7 @@
+BEGIN;
+SELECT plan(3);
+SELECT has_schema('queen');
+SELECT has_table('queen', 'timers', 'timers table exists');
+SELECT results_eq('SELECT version FROM queen.schema_migrations', ARRAY[1], 'at migration 1');
+SELECT * FROM finish();
+ROLLBACK;
