@@ -114,8 +114,10 @@ END
 $$;
 
 -- Take p_ops tokens from the tenant's bucket or raise QTRAT with the
--- seconds until enough have refilled. Runs inside the caller's
--- transaction: a batch refused by a later rung gives its tokens back.
+-- seconds until enough have refilled. A batch larger than the burst
+-- passes on a full bucket and leaves it in debt (else it could never
+-- pass). Runs inside the caller's transaction: a batch refused by a
+-- later rung gives its tokens back.
 CREATE FUNCTION queen.take_rate_tokens(
     p_tenant text,
     p_ops    integer,
@@ -141,7 +143,7 @@ BEGIN
             refilled_at = greatest(b.refilled_at, v_now)
     RETURNING tokens INTO v_tokens;
 
-    IF v_tokens < p_ops THEN
+    IF v_tokens < least(p_ops, v_burst) THEN
         v_wait := ceil((least(p_ops, v_burst) - v_tokens) / p_rate);
         RAISE EXCEPTION 'rate_limited'
             USING ERRCODE = 'QTRAT',

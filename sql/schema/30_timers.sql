@@ -100,17 +100,21 @@ CREATE TYPE queen.timer_view AS (
 -- ---------------------------------------------------------------------
 
 -- The single definition of "in somebody's hands".
+-- STABLE, not IMMUTABLE: with p_now NULL it reads now(), which must
+-- never be folded into a cached plan.
 CREATE FUNCTION queen.timer_is_claimed(p_lease_until timestamptz, p_now timestamptz DEFAULT NULL)
 RETURNS boolean
-LANGUAGE sql IMMUTABLE AS $$
+LANGUAGE sql STABLE AS $$
     SELECT p_lease_until IS NOT NULL AND p_lease_until > coalesce(p_now, now())
 $$;
 
--- Remove one timer unless a broker holds it. Takes the row lock first,
--- so a cancel racing a claim waits for the claim and then answers
--- too_late, and a claim (SKIP LOCKED) passes over a row being cancelled.
--- Returns cancelled | absent | too_late and keeps the pending counter.
-CREATE FUNCTION queen.cancel_timer(
+-- Internal: delete one timer unless a broker holds it, without touching
+-- the tenant's counters (schedule_timers meters a whole batch at once,
+-- after its row locks, so two batches cannot deadlock on the counter row).
+-- Takes the row lock first, so a cancel racing a claim waits for the
+-- claim and then answers too_late, and a claim (SKIP LOCKED) passes over
+-- a row being cancelled. Returns cancelled | absent | too_late.
+CREATE FUNCTION queen.delete_unclaimed_timer(
     p_tenant    text,
     p_queue     text,
     p_timer_key text,
@@ -137,8 +141,27 @@ BEGIN
     END IF;
     DELETE FROM queen.timers
      WHERE tenant = p_tenant AND queue = p_queue AND timer_key = p_timer_key;
-    PERFORM queen.bump_tenant_usage(p_tenant, -1, 0);
     RETURN 'cancelled';
+END
+$$;
+
+-- Cancel one timer (DELETE /api/v1/timers/:queue/*timerKey): passes no
+-- rung of the gate ladder. Returns cancelled | absent | too_late;
+-- absent also for another tenant's key. Keeps the pending counter.
+CREATE FUNCTION queen.cancel_timer(
+    p_tenant    text,
+    p_queue     text,
+    p_timer_key text,
+    p_now       timestamptz DEFAULT NULL)
+RETURNS text
+LANGUAGE plpgsql AS $$
+DECLARE
+    v_status text := queen.delete_unclaimed_timer(p_tenant, p_queue, p_timer_key, p_now);
+BEGIN
+    IF v_status = 'cancelled' THEN
+        PERFORM queen.bump_tenant_usage(p_tenant, -1, 0);
+    END IF;
+    RETURN v_status;
 END
 $$;
 
@@ -279,19 +302,24 @@ $$;
 -- upsert of a claimed row answers too_late and changes nothing. Each
 -- accepted upsert mints a new message id, resets attempts, clears the
 -- last error and is billed one message; cancels bill nothing.
--- Rows are touched in (queue, timer_key) order so that concurrent
--- batches cannot deadlock each other.
+-- Rows are touched in (queue, timer_key) order and the counter row last,
+-- so that concurrent batches cannot deadlock each other. p_max_ops is
+-- the broker's QUEEN_TIMERS_MAX_OPS (NULL: the cell's).
 CREATE FUNCTION queen.schedule_timers(
     p_tenant       text,
     p_ops          queen.timer_op[],
     p_producer_sub text        DEFAULT NULL,
     p_horizon_ms   bigint      DEFAULT NULL,
     p_tenancy      boolean     DEFAULT NULL,
-    p_now          timestamptz DEFAULT NULL)
+    p_now          timestamptz DEFAULT NULL,
+    p_max_ops      integer     DEFAULT NULL)
 RETURNS SETOF queen.timer_verdict
 LANGUAGE plpgsql AS $$
 DECLARE
     v_now      timestamptz := coalesce(p_now, now());
+    l          queen.tenant_limits;
+    v_at       timestamptz;
+    v_count    bigint;
     v_out      queen.timer_verdict[] := '{}';
     v          queen.timer_verdict;
     o          record;
@@ -308,8 +336,8 @@ BEGIN
     IF p_ops IS NULL OR cardinality(p_ops) = 0 THEN
         RETURN;
     END IF;
-    PERFORM queen.check_timer_ops(p_ops);
-    PERFORM queen.check_timer_gates(p_tenant, p_ops, p_horizon_ms, p_tenancy, v_now);
+    PERFORM queen.check_timer_ops(p_ops, p_max_ops);
+    l := queen.check_timer_gates(p_tenant, p_ops, p_horizon_ms, p_tenancy, v_now);
 
     FOR o IN
         SELECT x.*, x.n::integer AS ordinal
@@ -319,17 +347,23 @@ BEGIN
     LOOP
         v := ROW(o.ordinal, o.op, false, NULL, o.queue, o.timer_key, o.txn, NULL, NULL);
         IF o.op = 'cancel' THEN
-            v_status := queen.cancel_timer(p_tenant, o.queue, o.timer_key, v_now);
+            v_status := queen.delete_unclaimed_timer(p_tenant, o.queue, o.timer_key, v_now);
             v.status := v_status;
             v.ok := v_status = 'cancelled';
+            IF v.ok THEN
+                v_pending := v_pending - 1;
+            END IF;
         ELSE
             v_msg_id := queen.uuid_v7();
             v_txn := coalesce(nullif(o.txn, ''), queen.uuid_v7()::text);
+            -- a delay in the past is due at once; clamped so that no
+            -- negative delayMs can overflow the timestamp
+            v_at := v_now + greatest(o.delay_ms, -l.horizon_ms) * interval '1 millisecond';
             INSERT INTO queen.timers AS t
                    (tenant, queue, timer_key, partition, deliver_at, txn, message_id, payload,
                     payload_zstd, encrypted, producer_sub, created_at, updated_at)
             VALUES (p_tenant, o.queue, o.timer_key, coalesce(o.partition, 'Default'),
-                    v_now + o.delay_ms * interval '1 millisecond', v_txn, v_msg_id, o.payload,
+                    v_at, v_txn, v_msg_id, o.payload,
                     coalesce(o.payload_zstd, false), coalesce(o.encrypted, false), p_producer_sub,
                     v_now, v_now)
             ON CONFLICT (tenant, queue, timer_key) DO UPDATE
@@ -350,7 +384,7 @@ BEGIN
                 v.status := CASE WHEN v_inserted THEN 'scheduled' ELSE 'rescheduled' END;
                 v.txn := v_txn;
                 v.message_id := v_msg_id;
-                v.deliver_at := v_now + o.delay_ms * interval '1 millisecond';
+                v.deliver_at := v_at;
                 v_billed := v_billed + 1;
                 IF v_inserted THEN
                     v_pending := v_pending + 1;
@@ -362,6 +396,17 @@ BEGIN
 
     IF v_pending <> 0 OR v_billed <> 0 THEN
         PERFORM queen.bump_tenant_usage(p_tenant, v_pending, v_billed);
+    END IF;
+    -- The quota rung read the counter without a lock; re-check it under
+    -- the counter row's lock so that concurrent batches cannot overshoot.
+    IF l.max_pending_timers IS NOT NULL AND v_pending > 0 THEN
+        SELECT pending_timers INTO v_count FROM queen.tenant_usage WHERE tenant = p_tenant;
+        IF v_count > l.max_pending_timers THEN
+            RAISE EXCEPTION 'timers_quota_exceeded'
+                USING ERRCODE = 'QTQUO',
+                      DETAIL = format('tenant %s would have %s pending timers of %s',
+                                      p_tenant, v_count, l.max_pending_timers);
+        END IF;
     END IF;
     -- Wake sweepers whose next planned wake-up is later than this.
     PERFORM pg_notify('queen_timers', extract(epoch FROM min(x.deliver_at))::text)

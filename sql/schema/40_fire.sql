@@ -94,8 +94,9 @@ BEGIN
     PERFORM queen.lock_partition(d.queue, d.partition)
        FROM (SELECT DISTINCT r.queue, r.partition FROM unnest(p_rows) r ORDER BY 1, 2) d;
 
-    PERFORM queen.bump_tenant_usage(r.tenant, -count(*), 0)
-       FROM unnest(p_rows) r GROUP BY r.tenant;
+    -- Counter rows in tenant order: two fires never wait on each other crosswise.
+    PERFORM queen.bump_tenant_usage(g.tenant, -g.n, 0)
+       FROM (SELECT r.tenant, count(*) AS n FROM unnest(p_rows) r GROUP BY r.tenant ORDER BY r.tenant) g;
 
     RETURN QUERY
     WITH src AS (
@@ -103,7 +104,8 @@ BEGIN
           FROM unnest(p_rows) r
           JOIN queen.queues q ON q.name = r.queue
           JOIN queen.partitions p ON p.queue_id = q.id AND p.name = r.partition
-          LEFT JOIN unnest(p_frames) f
+          LEFT JOIN (SELECT DISTINCT ON (x.tenant, x.queue, x.timer_key) x.*
+                       FROM unnest(p_frames) x) f
                  ON f.tenant = r.tenant AND f.queue = r.queue AND f.timer_key = r.timer_key
     ), ins AS (
         INSERT INTO queen.messages (id, transaction_id, partition_id, payload, is_encrypted, producer_sub)
@@ -121,9 +123,10 @@ BEGIN
 END
 $$;
 
--- Claim up to p_limit due timers for p_lease_ms, in expiry order,
--- skipping rows another session holds. A row whose lease expired (its
--- broker died) is due again. Nothing is claimed while the fire is paused.
+-- Claim up to p_limit due timers for p_lease_ms, in expiry order (and
+-- returned in it), skipping rows another session holds. A row whose
+-- lease expired (its broker died) is due again. Nothing is claimed
+-- while the fire is paused.
 CREATE FUNCTION queen.claim_timers(
     p_broker   text,
     p_limit    integer     DEFAULT 100,
@@ -147,14 +150,19 @@ BEGIN
          ORDER BY t.deliver_at
          LIMIT greatest(p_limit, 0)
            FOR UPDATE SKIP LOCKED
+    ), claimed AS (
+        UPDATE queen.timers t
+           SET claim_id = v_claim, claimed_by = p_broker,
+               lease_until = v_now + greatest(p_lease_ms, 1) * interval '1 millisecond'
+          FROM due
+         WHERE (t.tenant, t.queue, t.timer_key) = (due.tenant, due.queue, due.timer_key)
+        RETURNING t.tenant, t.queue, t.timer_key, t.partition, t.deliver_at, t.lease_until,
+                  t.txn, t.message_id, t.payload, t.payload_zstd, t.encrypted, t.attempts
     )
-    UPDATE queen.timers t
-       SET claim_id = v_claim, claimed_by = p_broker,
-           lease_until = v_now + greatest(p_lease_ms, 1) * interval '1 millisecond'
-      FROM due
-     WHERE (t.tenant, t.queue, t.timer_key) = (due.tenant, due.queue, due.timer_key)
-    RETURNING v_claim, t.tenant, t.queue, t.timer_key, t.partition, t.deliver_at, t.lease_until,
-              t.txn, t.message_id, t.payload, t.payload_zstd, t.encrypted, t.attempts;
+    SELECT v_claim, c.tenant, c.queue, c.timer_key::text, c.partition, c.deliver_at, c.lease_until,
+           c.txn, c.message_id, c.payload, c.payload_zstd, c.encrypted, c.attempts
+      FROM claimed c
+     ORDER BY c.deliver_at, c.message_id;
 END
 $$;
 
