@@ -1,16 +1,323 @@
-"""The sweeper: placeholder until the sweeper issue lands."""
+"""The sweeper: the fire loop that runs inside every broker.
+
+Each cycle:
+  1. fast path: queen.fire_due_timers(batch) on the sweeper's own connection
+     (claim-and-fire in one transaction; the row lock is the claim);
+  2. leased path: queen.claim_timers -> inflate zstd payloads (bounded) ->
+     queen.fire_timers(claim_id, frames);
+  3. when a batch raises, isolate: fire the claimed rows one by one and call
+     queen.fail_timer for the ones that fail, classified by SQLSTATE
+     (transient: back off, no attempt spent; permanent/config: spend one);
+  4. sleep: not at all after a full batch, otherwise until the next due timer
+     as PostgreSQL computes it (queen.next_timer_due_ms), clamped to
+     [QUEEN_SWEEPER_MIN_SLEEP_MS, QUEEN_SWEEPER_MAX_SLEEP_MS], and woken early by
+     NOTIFY queen_timers when a timer is scheduled before the planned wake-up.
+
+Any number of brokers may run this loop against one database: the claims
+(SKIP LOCKED and leases) make it safe. Only an operator stops the fire
+(queen.pause_fire); no automatic rung does. Python computes no stored instant.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import time
+
+import psycopg
+
+from . import db, payloads
 from .config import Settings
+from .errors import classify_failure
+from .metrics import Metrics
+
+log = logging.getLogger("queen_timers.sweeper")
+
+FIRE_DUE = "SELECT * FROM queen.fire_due_timers(%s)"
+CLAIM = "SELECT * FROM queen.claim_timers(%s, %s, %s)"
+# the frames travel as four parallel arrays (no composite type to register on the connection)
+FIRE = """
+SELECT * FROM queen.fire_timers(
+    %s, (SELECT array_agg(ROW(f.tenant, f.queue, f.timer_key, f.payload)::queen.fire_frame)
+           FROM unnest(%s::text[], %s::text[], %s::text[], %s::bytea[]) AS f(tenant, queue, timer_key, payload)))
+"""
+FAIL = "SELECT queen.fail_timer(%s, %s, %s, %s, %s, %s, %s, %s, %s) AS verdict"
+NEXT_DUE = "SELECT queen.next_timer_due_ms() AS ms, extract(epoch FROM clock_timestamp())::float8 AS db_now"
+
+RECONNECT_MIN_S = 0.1
+RECONNECT_MAX_S = 5.0
+ERROR_TEXT_MAX = 2000
+
+
+class FrameError(Exception):
+    """The broker cannot build this timer's frame; carries the failure class."""
+
+    def __init__(self, cls: str, message: str):
+        super().__init__(message)
+        self.cls = cls
+
+
+def _connection_broken(conn: psycopg.AsyncConnection | None) -> bool:
+    return conn is None or conn.closed or conn.broken
+
+
+def _error_text(exc: BaseException) -> str:
+    sqlstate = getattr(exc, "sqlstate", None)
+    text = f"{type(exc).__name__}: {exc}".strip()
+    if sqlstate:
+        text = f"[{sqlstate}] {text}"
+    return text[:ERROR_TEXT_MAX]
 
 
 class Sweeper:
-    def __init__(self, settings: Settings):
+    def __init__(self, settings: Settings, metrics: Metrics | None = None):
         self.settings = settings
+        self.metrics = metrics or Metrics()
+        self._conn: psycopg.AsyncConnection | None = None
+        self._listen: psycopg.AsyncConnection | None = None
+        self._task: asyncio.Task | None = None
+        self._stopping = False
+        self._sleeping = False
+        self.cycles = 0
+
+    # ------------------------------------------------------------------
+    # lifecycle
 
     async def start(self) -> None:
-        return None
+        if self._task is None:
+            self._stopping = False
+            self._task = asyncio.create_task(self._run(), name="queen-sweeper")
 
     async def stop(self) -> None:
-        return None
+        task, self._task = self._task, None
+        self._stopping = True
+        if task is not None:
+            if self._sleeping:
+                task.cancel()
+            try:
+                # let a cycle in flight finish its transaction; then give up on it
+                await asyncio.wait_for(asyncio.shield(task), timeout=5)
+            except (asyncio.TimeoutError, asyncio.CancelledError):
+                task.cancel()
+                try:
+                    await task
+                except (asyncio.CancelledError, Exception):
+                    pass
+            except Exception:
+                pass
+        await self._close()
+
+    async def _close(self) -> None:
+        for conn in (self._conn, self._listen):
+            if conn is not None:
+                try:
+                    await conn.close()
+                except Exception:  # closing a broken connection may itself fail; nothing to do
+                    pass
+        self._conn = self._listen = None
+
+    async def _connect(self) -> None:
+        if _connection_broken(self._conn):
+            self._conn = await db.connect(self.settings, "sweeper")
+        if _connection_broken(self._listen):
+            self._listen = None
+            try:
+                listen = await db.connect(self.settings, "sweeper-listen")
+                await listen.execute("LISTEN queen_timers")
+                self._listen = listen
+            except psycopg.Error as exc:
+                # without LISTEN the sweeper still fires, just on its own schedule
+                log.warning("sweeper %s: LISTEN queen_timers failed (%s); polling only",
+                            self.settings.broker_id, _error_text(exc))
+
+    # ------------------------------------------------------------------
+    # the loop
+
+    async def _run(self) -> None:
+        delay = RECONNECT_MIN_S
+        down_since: float | None = None
+        while not self._stopping:
+            try:
+                await self._connect()
+                if down_since is not None:
+                    log.info("sweeper %s: database reachable again", self.settings.broker_id)
+                    down_since = None
+                full = await self.cycle()
+                delay = RECONNECT_MIN_S
+                if self._stopping:
+                    break
+                if full:
+                    await asyncio.sleep(0)  # let the HTTP side breathe between full batches
+                    continue
+                await self._sleep()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # the loop must survive anything: log, reconnect, back off
+                if down_since is None:
+                    down_since = time.monotonic()
+                    log.warning("sweeper %s: cycle failed (%s); retrying with backoff",
+                                self.settings.broker_id, _error_text(exc))
+                else:
+                    log.debug("sweeper %s: still failing (%s)", self.settings.broker_id, _error_text(exc))
+                if _connection_broken(self._conn) or isinstance(exc, psycopg.OperationalError):
+                    await self._close()
+                if self._stopping:
+                    break
+                self._sleeping = True
+                try:
+                    await asyncio.sleep(delay)
+                finally:
+                    self._sleeping = False
+                delay = min(delay * 2, RECONNECT_MAX_S)
+
+    async def cycle(self) -> bool:
+        """One pass of both fire paths. True when a batch came back full (loop again at once)."""
+        self.cycles += 1
+        batch = self.settings.sweeper_batch
+        isolate = False
+        fast: list[dict] = []
+        try:
+            fast = await self._fetch(FIRE_DUE, (batch,))
+        except Exception as exc:
+            if _connection_broken(self._conn):
+                raise
+            # one poison row fails the whole batch: fire them one by one below
+            log.warning("sweeper %s: fire_due_timers failed (%s, %s); isolating row by row",
+                        self.settings.broker_id, classify_failure(exc), _error_text(exc))
+            isolate = True
+        self.metrics.observe_results(fast)
+        claimed = await self._leased(batch, isolate=isolate)
+        return len(fast) >= batch or claimed >= batch
+
+    async def _leased(self, batch: int, *, isolate: bool) -> int:
+        """Claim with a lease, build the frames, fire. Returns how many rows were claimed."""
+        s = self.settings
+        rows = await self._fetch(CLAIM, (s.broker_id, batch, s.sweeper_lease_ms))
+        if not rows:
+            return 0
+        claim_id = rows[0]["claim_id"]
+        frames: list[tuple[dict, tuple]] = []
+        for row in rows:
+            try:
+                frames.append((row, self._frame(row)))
+            except FrameError as exc:
+                await self._fail(row, exc.cls, str(exc))
+        if not frames:
+            return len(rows)
+        if not isolate:
+            try:
+                results = await self._fire(claim_id, [f for _, f in frames])
+                self.metrics.observe_results(results)
+                return len(rows)
+            except Exception as exc:
+                if _connection_broken(self._conn):
+                    raise
+                log.warning("sweeper %s: fire_timers batch of %d failed (%s); isolating row by row",
+                            s.broker_id, len(frames), _error_text(exc))
+        for row, frame in frames:
+            try:
+                results = await self._fire(claim_id, [frame])
+            except Exception as exc:
+                if _connection_broken(self._conn):
+                    raise
+                await self._fail(row, classify_failure(exc), _error_text(exc))
+                continue
+            self.metrics.observe_results(results)
+        return len(rows)
+
+    def _frame(self, row: dict) -> tuple:
+        """The queen.fire_frame for a claimed row: payload NULL = the stored bytes."""
+        key = (row["tenant"], row["queue"], row["timer_key"])
+        if not row["payload_zstd"]:
+            return (*key, None)
+        stored = bytes(row["payload"])
+        if row["encrypted"]:
+            # encryption happens at schedule; a zstd payload sealed in an envelope
+            # must be opened, inflated and sealed again
+            enc_key = self.settings.encryption_key
+            if enc_key is None:
+                raise FrameError("config", "timer payload is encrypted zstd but QUEEN_ENCRYPTION_KEY is not set")
+            try:
+                stored = payloads.decrypt(enc_key, stored)
+            except payloads.PayloadError as exc:
+                raise FrameError("config", f"cannot open the encrypted payload: {exc}") from None
+        try:
+            data, over = payloads.inflate(stored, payloads.ABSOLUTE_CEILING)
+        except payloads.PayloadError as exc:
+            raise FrameError("permanent", str(exc)) from None
+        if over:
+            raise FrameError("permanent",
+                             f"payload inflates beyond {payloads.ABSOLUTE_CEILING} bytes; refusing to fire it")
+        if row["encrypted"]:
+            data = payloads.encrypt(self.settings.encryption_key, data)
+        return (*key, data)
+
+    async def _fail(self, row: dict, cls: str, error: str) -> None:
+        s = self.settings
+        res = await self._fetch(FAIL, (row["tenant"], row["queue"], row["timer_key"], row["claim_id"], cls,
+                                       error, s.sweeper_max_attempts, s.sweeper_backoff_ms,
+                                       s.sweeper_backoff_max_ms))
+        verdict = res[0]["verdict"]
+        self.metrics.observe_failure(cls, verdict)
+        log_fn = log.warning if verdict == "dead_lettered" else log.info
+        log_fn("sweeper %s: timer %s/%s failed (%s): %s -> %s", s.broker_id, row["queue"], row["timer_key"],
+               cls, error, verdict)
+
+    async def _fire(self, claim_id, frames: list[tuple]) -> list[dict]:
+        cols = list(zip(*frames))
+        return await self._fetch(FIRE, (claim_id, list(cols[0]), list(cols[1]), list(cols[2]), list(cols[3])))
+
+    async def _fetch(self, sql: str, params: tuple) -> list[dict]:
+        assert self._conn is not None
+        cur = await self._conn.execute(sql, params)
+        return await cur.fetchall()
+
+    # ------------------------------------------------------------------
+    # the adaptive sleep
+
+    async def _sleep(self) -> None:
+        s = self.settings
+        row = (await self._fetch(NEXT_DUE, ()))[0]
+        local_at = time.monotonic()
+        due_ms = row["ms"]
+        wait_ms = s.sweeper_max_sleep_ms if due_ms is None else due_ms
+        wait_ms = min(max(wait_ms, s.sweeper_min_sleep_ms), s.sweeper_max_sleep_ms)
+        deadline = local_at + wait_ms / 1000
+        self._sleeping = True
+        try:
+            await self._wait_until(deadline, row["db_now"], local_at)
+        finally:
+            self._sleeping = False
+
+    async def _wait_until(self, deadline: float, db_now: float, local_at: float) -> None:
+        """Sleep until deadline (monotonic), or earlier when a NOTIFY names an earlier due time.
+
+        The NOTIFY payload is PostgreSQL's epoch of the soonest deliver_at; it is compared with
+        PostgreSQL's own clock as read before the sleep, plus the time elapsed since.
+        """
+        min_s = self.settings.sweeper_min_sleep_ms / 1000
+        while not self._stopping:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return
+            if self._listen is None or _connection_broken(self._listen):
+                await asyncio.sleep(remaining)
+                return
+            try:
+                async for note in self._listen.notifies(timeout=remaining, stop_after=1):
+                    try:
+                        due_epoch = float(note.payload)
+                    except ValueError:
+                        due_epoch = db_now  # unknown payload: treat as due now
+                    due_in = due_epoch - db_now  # seconds after the moment next_timer_due_ms was read
+                    # never sooner than the minimum sleep after the sleep began
+                    wake = local_at + max(due_in, min_s)
+                    if wake < deadline:
+                        deadline = wake
+            except psycopg.Error as exc:
+                log.warning("sweeper %s: LISTEN connection lost (%s)", self.settings.broker_id, _error_text(exc))
+                listen, self._listen = self._listen, None
+                try:
+                    await listen.close()
+                except Exception:
+                    pass

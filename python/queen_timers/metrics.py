@@ -1,0 +1,86 @@
+"""Prometheus metrics of one broker, in a registry of its own (one per app).
+
+Every instant behind a metric comes from PostgreSQL: the fire lag is
+fired_at - deliver_at as queen.fire_* returned them. The pending gauge is
+read from SQL at scrape time (queen.get_timer_status), so it is the cell's
+number, the same on every broker.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.exposition import generate_latest
+
+# The classic text exposition format every Prometheus scrapes (generate_latest writes it).
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+FAILURE_CLASSES = ("transient", "permanent", "config")
+
+# deliverAt is a floor; a healthy timer lands within ~10 ms of the minimum sleep,
+# a wake-up problem shows up around QUEEN_SWEEPER_MAX_SLEEP_MS (1 s by default).
+LAG_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.fire_lag = Histogram(
+            "queen_timers_fire_lag_seconds",
+            "How late a timer's frame entered the log: fired_at - deliver_at, both from PostgreSQL",
+            buckets=LAG_BUCKETS, registry=r)
+        self.fired = Counter(
+            "queen_timers_fired",
+            "Timers fired by this broker: 'fired' appended a frame, 'duplicate' found the txn already in the partition",
+            ["outcome"], registry=r)
+        self.fire_failures = Counter(
+            "queen_timers_fire_failures",
+            "Failed fires of one timer by failure class (transient costs no attempt)",
+            ["class"], registry=r)
+        self.dlq_moves = Counter(
+            "queen_timers_dlq_moves",
+            "Timers moved to their queue's DLQ (group __QUEEN_TIMERS__) after the last attempt",
+            registry=r)
+        self.claims_lost = Counter(
+            "queen_timers_claims_lost",
+            "Claims this broker no longer held when it fired or failed (lease expired and taken over)",
+            registry=r)
+        self.pending = Gauge(
+            "queen_timers_pending", "Pending timers in the cell (read from PostgreSQL at scrape)", registry=r)
+        self.fire_paused = Gauge(
+            "queen_timers_fire_paused", "1 when an operator paused the fire (queen.pause_fire)", registry=r)
+        self.scheduling_paused = Gauge(
+            "queen_timers_scheduling_paused", "1 when an operator paused scheduling (queen.pause_scheduling)",
+            registry=r)
+        # every labelled series exists from the start, at 0
+        for outcome in ("fired", "duplicate"):
+            self.fired.labels(outcome=outcome)
+        for cls in FAILURE_CLASSES:
+            self.fire_failures.labels(**{"class": cls})
+
+    def observe_results(self, rows: list[dict]) -> None:
+        """Count queen.fire_result rows (from fire_due_timers or fire_timers)."""
+        for row in rows:
+            outcome = row["outcome"]
+            if outcome == "lost":
+                self.claims_lost.inc()
+                continue
+            self.fired.labels(outcome=outcome).inc()
+            if outcome == "fired" and row["fired_at"] is not None and row["deliver_at"] is not None:
+                self.fire_lag.observe(max(0.0, (row["fired_at"] - row["deliver_at"]).total_seconds()))
+
+    def observe_failure(self, cls: str, verdict: str) -> None:
+        """Count one queen.fail_timer call and its verdict (backoff | dead_lettered | lost)."""
+        self.fire_failures.labels(**{"class": cls}).inc()
+        if verdict == "dead_lettered":
+            self.dlq_moves.inc()
+        elif verdict == "lost":
+            self.claims_lost.inc()
+
+    def set_status(self, status: dict) -> None:
+        self.pending.set(status["pending"])
+        self.fire_paused.set(1 if status["fire_paused"] else 0)
+        self.scheduling_paused.set(1 if status["scheduling_paused"] else 0)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
