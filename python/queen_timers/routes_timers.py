@@ -1,3 +1,429 @@
-"""Routes: filled in by its issue."""
+"""The four timer routes: a thin Starlette shell over the queen.* timer functions.
 
-routes: list = []
+    POST   /api/v1/timers                     write-only   queen.schedule_timers (gate ladder in SQL)
+    DELETE /api/v1/timers/:queue/*timerKey    read-write   queen.cancel_timer (passes no rung)
+    GET    /api/v1/timers/:queue/*timerKey    read-only    queen.peek_timer
+    GET    /api/v1/timers/:queue              read-only    queen.list_timers
+
+Python checks shapes (400 before any SQL), decodes base64, inflates zstd
+with a bound to learn the decompressed size, encrypts for queues that
+encrypt at rest, and maps results to HTTP. It never writes a timer row:
+every state change is one queen.* call. SQLSTATE -> HTTP is errors.py.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from datetime import datetime, timezone
+from urllib.parse import unquote_to_bytes
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+
+from . import payloads
+from .auth import READ_ONLY, READ_WRITE, WRITE_ONLY
+from .errors import ApiError, bad_request, from_exception
+from .openapi import openapi_endpoint
+
+log = logging.getLogger("queen_timers.timers")
+
+PREFIX = "/api/v1/timers"
+HINT_HEADER = "x-queen-timers-hint"
+HINT_VALUE = "DELETE /api/v1/timers/:queue/*timerKey"
+
+OPS = ("schedule", "reschedule", "cancel")
+SERVER_OWNED = ("producerSub", "messageId", "tenant")
+# field -> the ops that accept it (op, queue and timerKey are always required)
+FIELDS: dict[str, tuple[str, ...]] = {
+    "op": OPS,
+    "queue": OPS,
+    "timerKey": OPS,
+    "txn": OPS,  # required for schedule; echoed by cancel
+    "delayMs": ("schedule", "reschedule"),
+    "payload": ("schedule", "reschedule"),
+    "partition": ("schedule", "reschedule"),
+    "payloadZstd": ("schedule", "reschedule"),
+    "encrypted": ("schedule", "reschedule"),
+}
+INT64_MIN, INT64_MAX = -(2 ** 63), 2 ** 63 - 1
+# A delay further in the past than this (~31 years) is a client bug, not a
+# timer that is "due at once"; it would also overflow timestamptz arithmetic.
+MIN_DELAY_MS = -(10 ** 12)
+INT32_MIN, INT32_MAX = -(2 ** 31), 2 ** 31 - 1
+
+SCHEDULE_SQL = """
+SELECT v.ordinal, v.ok, v.status, v.queue, v.timer_key, v.txn, v.message_id, v.deliver_at
+  FROM queen.schedule_timers(
+         %(tenant)s,
+         ARRAY(SELECT ROW(o.op, o.queue, o.timer_key, o.delay_ms, o.txn, o.payload, o.partition,
+                          o.payload_zstd, o.encrypted, o.raw_size)::queen.timer_op
+                 FROM unnest(%(op)s::text[], %(queue)s::text[], %(timer_key)s::text[],
+                             %(delay_ms)s::bigint[], %(txn)s::text[], %(payload)s::bytea[],
+                             %(partition)s::text[], %(payload_zstd)s::boolean[],
+                             %(encrypted)s::boolean[], %(raw_size)s::integer[])
+                      WITH ORDINALITY AS o(op, queue, timer_key, delay_ms, txn, payload, partition,
+                                           payload_zstd, encrypted, raw_size, n)
+                ORDER BY o.n),
+         %(producer_sub)s,
+         %(horizon_ms)s::bigint,
+         %(tenancy)s::boolean) AS v
+ ORDER BY v.ordinal
+"""
+
+ENCRYPTING_QUEUES_SQL = """
+SELECT name FROM queen.queues WHERE name = ANY(%s::text[]) AND encryption_enabled
+"""
+
+
+# ---------------------------------------------------------------------------
+# helpers
+# ---------------------------------------------------------------------------
+
+def iso(value: datetime | None) -> str | None:
+    """ISO-8601 UTC with microseconds and 'Z', like Queen's createdAt."""
+    if value is None:
+        return None
+    return value.astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def _str(value: object) -> str | None:
+    return None if value is None else str(value)
+
+
+def _check_text(name: str, value: str, where: str) -> None:
+    if "\x00" in value:
+        raise bad_request(f"{where}{name} may not contain a NUL character")
+
+
+def _path_parts(request: Request) -> tuple[str, str | None]:
+    """(queue, timerKey or None) from the raw path, so that `tenant/42` and
+    `tenant%2F42` are the same key and a queue segment is decoded exactly once.
+    Raises UnicodeDecodeError when the bytes are not UTF-8."""
+    raw = request.scope.get("raw_path")
+    if not raw:  # no raw path from the server: the decoded one is the best we have
+        raw = request.url.path.encode("utf-8")
+    raw = raw.split(b"?", 1)[0]
+    prefix = PREFIX.encode() + b"/"
+    rest = raw[len(prefix):] if raw.startswith(prefix) else b""
+    queue, sep, key = rest.partition(b"/")
+    queue_text = unquote_to_bytes(queue).decode("utf-8")
+    if not sep:
+        return queue_text, None
+    return queue_text, unquote_to_bytes(key).decode("utf-8")
+
+
+def _path_or_400(request: Request) -> tuple[str, str | None]:
+    try:
+        queue, key = _path_parts(request)
+    except UnicodeDecodeError:
+        raise bad_request("the path is not valid percent-encoded UTF-8") from None
+    if not queue:
+        raise bad_request("queue is required")
+    _check_text("queue", queue, "")
+    if key is not None:
+        _check_text("timerKey", key, "")
+    return queue, key
+
+
+async def _run(request: Request, fn, *, hint: bool = False):
+    """Run fn(conn) on a pooled connection; map database failures to ApiError.
+
+    hint=True (POST) adds x-queen-timers-hint to every refusal by a rung or
+    by capacity, naming the cancel route that passes no rung."""
+    try:
+        async with request.app.state.pool.connection() as conn:
+            return await fn(conn)
+    except Exception as exc:  # mapped here or re-raised to app.py's handler
+        mapped = from_exception(exc)
+        if mapped is None:
+            raise
+        if hint:
+            _add_hint(mapped)
+        raise mapped from None
+
+
+def _add_hint(error: ApiError) -> None:
+    if error.status in (403, 413, 429, 503) and error.error != "forbidden":
+        error.headers[HINT_HEADER] = HINT_VALUE
+
+
+# ---------------------------------------------------------------------------
+# POST /api/v1/timers
+# ---------------------------------------------------------------------------
+
+def _parse_ops(body: object, max_ops: int) -> list[dict]:
+    """The shape checks of a batch, before any SQL. Returns the ops, validated."""
+    if not isinstance(body, dict):
+        raise bad_request("the body must be a JSON object {\"operations\": [...]}")
+    extra = sorted(k for k in body if k != "operations")
+    if extra:
+        raise bad_request(f"unknown field {extra[0]!r} in the body; only 'operations' is accepted")
+    ops = body.get("operations")
+    if not isinstance(ops, list):
+        raise bad_request("operations is required and must be an array")
+    if len(ops) > max_ops:
+        raise bad_request(f"{len(ops)} operations; at most {max_ops} per call")
+    seen: set[tuple[str, str]] = set()
+    out = []
+    for n, raw in enumerate(ops):
+        where = f"operation {n}: "
+        if not isinstance(raw, dict):
+            raise bad_request(f"{where}must be an object")
+        for name in raw:
+            if name in SERVER_OWNED or name.startswith("_"):
+                raise bad_request(f"{where}{name!r} is owned by the server and may not be supplied")
+            if name not in FIELDS:
+                raise bad_request(f"{where}unknown field {name!r}")
+        op = raw.get("op")
+        if op not in OPS:
+            raise bad_request(f"{where}unknown op {op!r}; expected schedule, reschedule or cancel")
+        for name, value in raw.items():
+            if op not in FIELDS[name] and value is not None:
+                raise bad_request(f"{where}{name!r} does not apply to {op}")
+        parsed = {"op": op}
+        for name in ("queue", "timerKey"):
+            value = raw.get(name)
+            if not isinstance(value, str) or value == "":
+                raise bad_request(f"{where}{name} is required and must be a non-empty string")
+            _check_text(name, value, where)
+            parsed[name] = value
+        key = (parsed["queue"], parsed["timerKey"])
+        if key in seen:
+            raise bad_request(f"{where}({key[0]}, {key[1]}) appears more than once in the batch")
+        seen.add(key)
+
+        txn = raw.get("txn")
+        if txn is not None and (not isinstance(txn, str) or txn == ""):
+            raise bad_request(f"{where}txn must be a non-empty string")
+        if op == "schedule" and txn is None:
+            raise bad_request(f"{where}txn is required for schedule")
+        if txn is not None:
+            _check_text("txn", txn, where)
+        parsed["txn"] = txn
+        if op == "cancel":
+            out.append(parsed)
+            continue
+
+        delay = raw.get("delayMs")
+        if delay is None:
+            raise bad_request(f"{where}delayMs is required for {op}")
+        if isinstance(delay, bool) or not isinstance(delay, int):
+            raise bad_request(f"{where}delayMs must be an integer number of milliseconds")
+        if delay > INT64_MAX:
+            raise bad_request(f"{where}delayMs is out of range")
+        if delay < MIN_DELAY_MS:
+            raise bad_request(f"{where}delayMs is more than {-MIN_DELAY_MS} ms in the past")
+        parsed["delayMs"] = delay
+
+        partition = raw.get("partition")
+        if partition is not None:
+            if not isinstance(partition, str) or partition == "":
+                raise bad_request(f"{where}partition must be a non-empty string")
+            _check_text("partition", partition, where)
+        parsed["partition"] = partition
+
+        for name in ("payloadZstd", "encrypted"):
+            value = raw.get(name)
+            if value is not None and not isinstance(value, bool):
+                raise bad_request(f"{where}{name} must be a boolean")
+            parsed[name] = value
+        parsed["encryptedGiven"] = "encrypted" in raw and raw["encrypted"] is not None
+
+        if raw.get("payload") is None:
+            raise bad_request(f"{where}payload is required for {op}")
+        try:
+            data = payloads.decode_base64(raw["payload"])
+        except payloads.PayloadError as exc:
+            raise bad_request(f"{where}{exc}") from None
+        parsed["payload"] = data
+        parsed["raw_size"] = None
+        parsed["plain"] = None
+        if parsed["payloadZstd"]:
+            try:
+                plain, over = payloads.inflate(data)
+            except payloads.PayloadError as exc:
+                raise bad_request(f"{where}{exc}") from None
+            # over the absolute ceiling: limit + 1 bytes, so SQL's QTBIG rung,
+            # last in the ladder, refuses it; the bytes are never stored.
+            parsed["raw_size"] = len(plain)
+            parsed["plain"] = None if over else plain
+        out.append(parsed)
+    return out
+
+
+def _encrypt_ops(ops: list[dict], encrypting: set[str], key: bytes | None) -> None:
+    """Encryption happens at schedule: for a queue that encrypts at rest the
+    stored payload is Queen's envelope of the (decompressed) bytes."""
+    for n, o in enumerate(ops):
+        if o["op"] == "cancel" or o["queue"] not in encrypting:
+            continue
+        if o["encryptedGiven"]:
+            raise bad_request(f"operation {n}: 'encrypted' may not be supplied: queue {o['queue']!r} "
+                              "encrypts at rest and the broker sets it")
+        if key is None:
+            log.warning("queue %r encrypts at rest and QUEEN_ENCRYPTION_KEY is not set", o["queue"])
+            raise ApiError(403, "feature_gated",
+                           f"queue {o['queue']!r} encrypts at rest and this broker has no "
+                           "QUEEN_ENCRYPTION_KEY; timers into it are not available until an "
+                           "operator configures one",
+                           {HINT_HEADER: HINT_VALUE})
+        if o["payloadZstd"]:
+            if o["plain"] is None:
+                continue  # decompresses past the ceiling: QTBIG refuses it, nothing is stored
+            plain = o["plain"]
+        else:
+            plain = o["payload"]
+        o["payload"] = payloads.encrypt(key, plain)
+        o["payloadZstd"] = False
+        o["encrypted"] = True
+        o["raw_size"] = None
+
+
+async def schedule(request: Request) -> JSONResponse:
+    principal = request.app.state.auth.require(request, WRITE_ONLY)
+    settings = request.app.state.settings
+    raw = await request.body()
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        raise bad_request("the body is not valid JSON") from None
+    ops = _parse_ops(body, settings.timers_max_ops)
+
+    async def work(conn):
+        upserts = sorted({o["queue"] for o in ops if o["op"] != "cancel"})
+        if upserts:
+            cur = await conn.execute(ENCRYPTING_QUEUES_SQL, (upserts,))
+            encrypting = {r["name"] for r in await cur.fetchall()}
+            _encrypt_ops(ops, encrypting, settings.encryption_key)
+        params = {
+            "tenant": principal.tenant,
+            "producer_sub": principal.sub,
+            "horizon_ms": settings.timers_horizon_ms,
+            "tenancy": settings.tenancy,
+            "op": [o["op"] for o in ops],
+            "queue": [o["queue"] for o in ops],
+            "timer_key": [o["timerKey"] for o in ops],
+            "delay_ms": [o.get("delayMs") for o in ops],
+            "txn": [o["txn"] for o in ops],
+            "payload": [o.get("payload") for o in ops],
+            "partition": [o.get("partition") for o in ops],
+            "payload_zstd": [o.get("payloadZstd") for o in ops],
+            "encrypted": [o.get("encrypted") for o in ops],
+            "raw_size": [o.get("raw_size") for o in ops],
+        }
+        cur = await conn.execute(SCHEDULE_SQL, params)
+        return await cur.fetchall()
+
+    rows = await _run(request, work, hint=True)
+    return JSONResponse([
+        {"ok": r["ok"], "status": r["status"], "queue": r["queue"], "timerKey": r["timer_key"],
+         "txn": r["txn"], "messageId": _str(r["message_id"]), "deliverAt": iso(r["deliver_at"])}
+        for r in rows
+    ])
+
+
+# ---------------------------------------------------------------------------
+# DELETE /api/v1/timers/:queue/*timerKey
+# ---------------------------------------------------------------------------
+
+async def cancel(request: Request) -> JSONResponse:
+    principal = request.app.state.auth.require(request, READ_WRITE)
+    queue, key = _path_or_400(request)
+    if not key:
+        raise bad_request("timerKey is required")
+    txn = request.query_params.get("txn")
+    if txn is not None:
+        _check_text("txn", txn, "")
+
+    async def work(conn):
+        cur = await conn.execute("SELECT queen.cancel_timer(%s, %s, %s) AS status",
+                                 (principal.tenant, queue, key))
+        return (await cur.fetchone())["status"]
+
+    status = await _run(request, work)
+    return JSONResponse({"ok": status == "cancelled", "status": status, "queue": queue,
+                         "timerKey": key, "txn": txn or None})
+
+
+# ---------------------------------------------------------------------------
+# GET /api/v1/timers/:queue/*timerKey and GET /api/v1/timers/:queue
+# ---------------------------------------------------------------------------
+
+async def peek(request: Request) -> JSONResponse:
+    principal = request.app.state.auth.require(request, READ_ONLY)
+    queue, key = _path_or_400(request)
+    if key is None:  # `/api/v1/timers/a%2Fb`: one raw segment, a queue with a slash
+        return await _list(request, principal, queue)
+    if key == "":
+        raise bad_request("timerKey is required")
+
+    async def work(conn):
+        cur = await conn.execute("SELECT * FROM queen.peek_timer(%s, %s, %s)",
+                                 (principal.tenant, queue, key))
+        return await cur.fetchone()
+
+    r = await _run(request, work)
+    if r is None:
+        return JSONResponse({"found": False})
+    return JSONResponse({
+        "found": True, "queue": r["queue"], "timerKey": r["timer_key"], "partition": r["partition"],
+        "deliverAt": iso(r["deliver_at"]), "txn": r["txn"], "messageId": _str(r["message_id"]),
+        "payload": payloads.encode_base64(bytes(r["payload"])), "payloadZstd": r["payload_zstd"],
+        "encrypted": r["encrypted"], "producerSub": r["producer_sub"], "attempts": r["attempts"],
+        "lastError": r["last_error"], "claimed": r["claimed"],
+        "createdAt": iso(r["created_at"]), "updatedAt": iso(r["updated_at"]),
+    })
+
+
+async def list_timers(request: Request) -> JSONResponse:
+    principal = request.app.state.auth.require(request, READ_ONLY)
+    queue, key = _path_or_400(request)
+    if key is not None:  # a raw path the decoded one hid (cannot happen with uvicorn)
+        raise bad_request("unexpected path")
+    return await _list(request, principal, queue)
+
+
+async def _list(request: Request, principal, queue: str) -> JSONResponse:
+    after = request.query_params.get("after")
+    if after is not None:
+        _check_text("after", after, "")
+    raw_limit = request.query_params.get("limit")
+    limit = 100
+    if raw_limit is not None and raw_limit != "":
+        try:
+            limit = int(raw_limit.strip(), 10)
+        except ValueError:
+            raise bad_request("limit must be an integer") from None
+        # queen.list_timers clamps to 1..1000; only keep the value an integer
+        limit = max(INT32_MIN, min(INT32_MAX, limit))
+
+    async def work(conn):
+        cur = await conn.execute("SELECT * FROM queen.list_timers(%s, %s, %s, %s::integer)",
+                                 (principal.tenant, queue, after, limit))
+        return await cur.fetchall()
+
+    rows = await _run(request, work)
+    return JSONResponse({
+        "rows": [{
+            "timerKey": r["timer_key"], "partition": r["partition"], "deliverAt": iso(r["deliver_at"]),
+            "txn": r["txn"], "messageId": _str(r["message_id"]), "payloadZstd": r["payload_zstd"],
+            "encrypted": r["encrypted"], "producerSub": r["producer_sub"], "attempts": r["attempts"],
+            "lastError": r["last_error"], "claimed": r["claimed"],
+            "createdAt": iso(r["created_at"]), "updatedAt": iso(r["updated_at"]),
+        } for r in rows],
+        "truncated": bool(rows and rows[0]["truncated"]),
+        "nextAfter": rows[0]["next_after"] if rows else None,
+    })
+
+
+# Order: the one-segment list route first; `{queue}` never matches a slash,
+# so it cannot shadow the catch-all, and the catch-all needs at least "/".
+routes: list = [
+    Route("/openapi.json", openapi_endpoint, methods=["GET"]),
+    Route(PREFIX, schedule, methods=["POST"]),
+    Route(PREFIX + "/{queue}", list_timers, methods=["GET"]),
+    Route(PREFIX + "/{queue}/{timerKey:path}", peek, methods=["GET"]),
+    Route(PREFIX + "/{queue}/{timerKey:path}", cancel, methods=["DELETE"]),
+]

@@ -1,0 +1,312 @@
+"""The OpenAPI 3.1 document of the broker, served at GET /openapi.json (public).
+
+The timer routes and /health are described here. Other route modules add
+theirs with module-level dicts, merged at request time:
+
+    OPENAPI_PATHS   = {"/api/v1/...": {"get": {...}}}       # merged into "paths"
+    OPENAPI_SCHEMAS = {"Name": {...}}                        # merged into components.schemas
+
+Path templates use OpenAPI's `{name}` (a Starlette `{timerKey:path}` is
+`{timerKey}` here). Every route the app registers must appear
+(tests/py/test_timers_openapi.py checks it).
+"""
+
+from __future__ import annotations
+
+import copy
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+
+from . import __version__
+
+HINT = "DELETE /api/v1/timers/:queue/*timerKey"
+
+
+def _ref(name: str) -> dict:
+    return {"$ref": f"#/components/schemas/{name}"}
+
+
+def _error(description: str, slugs: list[str], headers: dict | None = None) -> dict:
+    schema = {
+        "allOf": [_ref("Error"), {"properties": {"error": {"enum": slugs}}}],
+    }
+    out = {"description": description, "content": {"application/json": {"schema": schema}}}
+    if headers:
+        out["headers"] = headers
+    return out
+
+
+RETRY_AFTER = {"Retry-After": {"description": "seconds to wait before retrying",
+                               "schema": {"type": "integer", "minimum": 1}}}
+HINT_HDR = {"x-queen-timers-hint": {
+    "description": f"on every refusal of the batch by a rung (and by capacity): `{HINT}`, the cancel "
+                   "route that passes no rung of the gate ladder",
+    "schema": {"type": "string", "const": HINT}}}
+
+AUTH_RESPONSES = {
+    "401": _error("no credential, or a bad one (QUEEN_AUTH=jwt)", ["unauthorized"]),
+}
+
+
+def _forbidden_only() -> dict:
+    return _error("the credential's access level is too low", ["forbidden"])
+
+
+SCHEMAS: dict[str, dict] = {
+    "Error": {
+        "type": "object",
+        "required": ["error"],
+        "properties": {"error": {"type": "string", "description": "machine-readable slug"},
+                       "detail": {"type": "string", "description": "what went wrong, for a human"}},
+    },
+    "TimerOperation": {
+        "type": "object",
+        "additionalProperties": False,
+        "required": ["op", "queue", "timerKey"],
+        "description": "schedule/reschedule need delayMs and payload; schedule also needs txn. "
+                       "producerSub, messageId, tenant and any field starting with '_' are owned by "
+                       "the server and refused (400), as is any unknown field.",
+        "properties": {
+            "op": {"type": "string", "enum": ["schedule", "reschedule", "cancel"]},
+            "queue": {"type": "string", "minLength": 1, "description": "destination queue"},
+            "timerKey": {"type": "string", "minLength": 1,
+                         "description": "identity, with the queue and the tenant"},
+            "delayMs": {"type": "integer", "description": "milliseconds from PostgreSQL's now(); "
+                        "a value in the past is legal and fires on the first cycle"},
+            "txn": {"type": "string", "minLength": 1, "description": "transaction id the frame "
+                    "will carry; required for schedule, minted by the server when a reschedule "
+                    "omits it, echoed by cancel"},
+            "payload": {"type": "string", "contentEncoding": "base64"},
+            "partition": {"type": "string", "minLength": 1, "default": "Default"},
+            "payloadZstd": {"type": "boolean", "default": False},
+            "encrypted": {"type": "boolean", "description": "refused when the destination queue "
+                          "encrypts at rest: the broker sets it"},
+        },
+    },
+    "ScheduleRequest": {
+        "type": "object",
+        "additionalProperties": False,
+        "required": ["operations"],
+        "properties": {"operations": {"type": "array", "items": _ref("TimerOperation"),
+                                      "description": "at most QUEEN_TIMERS_MAX_OPS (256)"}},
+    },
+    "TimerStatus": {
+        "type": "string",
+        "enum": ["scheduled", "rescheduled", "cancelled", "absent", "too_late"],
+        "description": "closed taxonomy. absent means no longer pending: it may mean already "
+                       "delivered; the authority is the log (look for the txn).",
+    },
+    "TimerVerdict": {
+        "type": "object",
+        "required": ["ok", "status", "queue", "timerKey", "txn", "messageId", "deliverAt"],
+        "properties": {
+            "ok": {"type": "boolean"},
+            "status": _ref("TimerStatus"),
+            "queue": {"type": "string"},
+            "timerKey": {"type": "string"},
+            "txn": {"type": ["string", "null"]},
+            "messageId": {"type": ["string", "null"], "format": "uuid"},
+            "deliverAt": {"type": ["string", "null"], "format": "date-time",
+                          "description": "not before; ISO-8601 UTC with microseconds"},
+        },
+    },
+    "CancelResult": {
+        "type": "object",
+        "required": ["ok", "status", "queue", "timerKey", "txn"],
+        "properties": {
+            "ok": {"type": "boolean"},
+            "status": {"type": "string", "enum": ["cancelled", "absent", "too_late"]},
+            "queue": {"type": "string"},
+            "timerKey": {"type": "string"},
+            "txn": {"type": ["string", "null"], "description": "echo of the ?txn= query parameter"},
+        },
+    },
+    "TimerSummary": {
+        "type": "object",
+        "properties": {
+            "timerKey": {"type": "string"},
+            "partition": {"type": "string"},
+            "deliverAt": {"type": "string", "format": "date-time"},
+            "txn": {"type": "string"},
+            "messageId": {"type": "string", "format": "uuid"},
+            "payloadZstd": {"type": "boolean"},
+            "encrypted": {"type": "boolean"},
+            "producerSub": {"type": ["string", "null"]},
+            "attempts": {"type": "integer"},
+            "lastError": {"type": ["string", "null"]},
+            "claimed": {"type": "boolean", "description": "a broker holds it and is about to "
+                        "deliver it; a row in backoff is not claimed"},
+            "createdAt": {"type": "string", "format": "date-time"},
+            "updatedAt": {"type": "string", "format": "date-time"},
+        },
+    },
+    "TimerPeek": {
+        "oneOf": [
+            {"type": "object", "required": ["found"], "additionalProperties": False,
+             "properties": {"found": {"const": False}}},
+            {"allOf": [
+                _ref("TimerSummary"),
+                {"type": "object",
+                 "required": ["found", "queue", "timerKey", "payload"],
+                 "properties": {
+                     "found": {"const": True},
+                     "queue": {"type": "string"},
+                     "payload": {"type": "string", "contentEncoding": "base64",
+                                 "description": "as stored: never decrypted, never inflated"},
+                 }},
+            ]},
+        ],
+    },
+    "TimerPage": {
+        "type": "object",
+        "required": ["rows", "truncated", "nextAfter"],
+        "properties": {
+            "rows": {"type": "array", "items": _ref("TimerSummary")},
+            "truncated": {"type": "boolean"},
+            "nextAfter": {"type": ["string", "null"],
+                          "description": "pass as ?after= for the next page"},
+        },
+    },
+    "Health": {
+        "type": "object",
+        "properties": {"status": {"type": "string", "enum": ["healthy", "unhealthy"]},
+                       "database": {"type": "string", "enum": ["connected", "disconnected"]},
+                       "server": {"type": "string"}, "worker_id": {"type": "string"},
+                       "version": {"type": "string"}},
+    },
+}
+
+QUEUE_PARAM = {"name": "queue", "in": "path", "required": True, "schema": {"type": "string"}}
+KEY_PARAM = {"name": "timerKey", "in": "path", "required": True,
+             "description": "catch-all: may contain '/', raw or percent-encoded (`tenant/42`)",
+             "schema": {"type": "string"}}
+UNAVAILABLE = _error("the database cannot answer (pool exhausted, statement timeout, unreachable)",
+                     ["timers_unavailable"], RETRY_AFTER)
+
+
+def _json(description: str, schema: dict) -> dict:
+    return {"description": description, "content": {"application/json": {"schema": schema}}}
+
+
+TIMER_PATHS: dict[str, dict] = {
+    "/health": {"get": {
+        "summary": "liveness and database reachability", "security": [],
+        "responses": {"200": _json("healthy", _ref("Health")),
+                      "503": _json("the database is unreachable", _ref("Health"))},
+    }},
+    "/openapi.json": {"get": {
+        "summary": "this document", "security": [],
+        "responses": {"200": {"description": "OpenAPI 3.1 document",
+                              "content": {"application/json": {"schema": {"type": "object"}}}}},
+    }},
+    "/api/v1/timers": {"post": {
+        "summary": "schedule, reschedule and cancel, in one batch",
+        "description": "Access level write-only. The gate ladder (SQL, queen.check_timer_gates) runs "
+                       "in order: operator pause (503 timers_disabled), plan grant (403 "
+                       "feature_gated), produce block (403 produce_blocked), rate (429 rate_limited), "
+                       "pending-timer quota (403 timers_quota_exceeded), horizon (403 "
+                       "timer_horizon_exceeded), payload ceiling (413 payload_too_large). A refusal "
+                       "refuses the whole batch and writes nothing.",
+        "x-access-level": "write-only",
+        "requestBody": {"required": True,
+                        "content": {"application/json": {"schema": _ref("ScheduleRequest")}}},
+        "responses": {
+            "200": _json("one verdict per operation, in input order",
+                         {"type": "array", "items": _ref("TimerVerdict")}),
+            "400": _error("shape: the batch is refused before any SQL", ["timers_bad_request"]),
+            **AUTH_RESPONSES,
+            "403": _error("a rung refused the batch (or the credential is too low: forbidden)",
+                          ["forbidden", "feature_gated", "produce_blocked", "timers_quota_exceeded",
+                           "timer_horizon_exceeded"], HINT_HDR),
+            "413": _error("a decoded (or decompressed) payload is over min(1 MiB, the plan's max)",
+                          ["payload_too_large"], HINT_HDR),
+            "429": _error("rate exceeded", ["rate_limited"], {**RETRY_AFTER, **HINT_HDR}),
+            "503": _error("an operator paused scheduling, or the database cannot answer",
+                          ["timers_disabled", "timers_unavailable"], {**RETRY_AFTER, **HINT_HDR}),
+        },
+    }},
+    "/api/v1/timers/{queue}": {"get": {
+        "summary": "keyset list of a queue's pending timers (no payloads)",
+        "x-access-level": "read-only",
+        "parameters": [
+            QUEUE_PARAM,
+            {"name": "after", "in": "query", "required": False, "schema": {"type": "string"},
+             "description": "exclusive cursor over timerKey (byte order)"},
+            {"name": "limit", "in": "query", "required": False,
+             "schema": {"type": "integer", "default": 100, "minimum": 1, "maximum": 1000},
+             "description": "clamped to 1..1000, not rejected; a non-integer is 400"},
+        ],
+        "responses": {
+            "200": _json("a page", _ref("TimerPage")),
+            "400": _error("limit is not an integer", ["timers_bad_request"]),
+            **AUTH_RESPONSES,
+            "403": _forbidden_only(),
+            "503": UNAVAILABLE,
+        },
+    }},
+    "/api/v1/timers/{queue}/{timerKey}": {
+        "get": {
+            "summary": "peek one timer, with its payload as stored",
+            "x-access-level": "read-only",
+            "parameters": [QUEUE_PARAM, KEY_PARAM],
+            "responses": {
+                "200": _json("the timer, or {\"found\": false}", _ref("TimerPeek")),
+                "400": _error("shape", ["timers_bad_request"]),
+                **AUTH_RESPONSES,
+                "403": _forbidden_only(),
+                "503": UNAVAILABLE,
+            },
+        },
+        "delete": {
+            "summary": "cancel, on its own route: passes no rung of the gate ladder",
+            "description": "Access level read-write. Not a paused schedule, not a missing grant, "
+                           "not a full quota may refuse it. absent (ok: false) means no longer "
+                           "pending, which may mean already delivered: look for the txn in the log.",
+            "x-access-level": "read-write",
+            "parameters": [QUEUE_PARAM, KEY_PARAM,
+                           {"name": "txn", "in": "query", "required": False,
+                            "schema": {"type": "string"}, "description": "echoed in the response"}],
+            "responses": {
+                "200": _json("the verdict", _ref("CancelResult")),
+                "400": _error("shape", ["timers_bad_request"]),
+                **AUTH_RESPONSES,
+                "403": _forbidden_only(),
+                "503": UNAVAILABLE,
+            },
+        },
+    },
+}
+
+
+def _merge_paths(target: dict, extra: dict) -> None:
+    for path, methods in (extra or {}).items():
+        target.setdefault(path, {}).update(copy.deepcopy(methods))
+
+
+def build_document() -> dict:
+    """The whole document: the timer routes here, plus what routes_log and
+    routes_ops declare in OPENAPI_PATHS / OPENAPI_SCHEMAS."""
+    from . import routes_log, routes_ops  # at call time: those modules import freely
+
+    paths = copy.deepcopy(TIMER_PATHS)
+    schemas = copy.deepcopy(SCHEMAS)
+    for module in (routes_log, routes_ops):
+        _merge_paths(paths, getattr(module, "OPENAPI_PATHS", {}))
+        schemas.update(copy.deepcopy(getattr(module, "OPENAPI_SCHEMAS", {})))
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "queen-timers", "version": __version__,
+                 "description": "A PostgreSQL-centric timer engine for a Queen MQ-style broker."},
+        "paths": paths,
+        "components": {
+            "schemas": schemas,
+            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer", "bearerFormat": "JWT",
+                                           "description": "only when QUEEN_AUTH=jwt"}},
+        },
+        "security": [{"bearer": []}],
+    }
+
+
+async def openapi_endpoint(request: Request) -> JSONResponse:
+    return JSONResponse(build_document())
