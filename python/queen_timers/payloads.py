@@ -52,9 +52,23 @@ def inflate(data: bytes, limit: int = ABSOLUTE_CEILING) -> tuple[bytes, bool]:
             if not chunk:
                 break
             out += chunk
+        if len(out) <= limit:
+            _require_complete_frames(dctx, data)
     except zstandard.ZstdError as exc:
         raise PayloadError(f"payload is not valid zstd: {exc}") from None
     return out[: limit + 1], len(out) > limit
+
+
+def _require_complete_frames(dctx: "zstandard.ZstdDecompressor", data: bytes) -> None:
+    """The stream reader returns what it could for a truncated frame, without an error.
+    Called only once the whole output is known to be within the limit, so decoding
+    the same bytes again is bounded too."""
+    while data:
+        dobj = dctx.decompressobj()
+        dobj.decompress(data)
+        if not dobj.eof:
+            raise PayloadError("payload is not valid zstd: truncated frame")
+        data = dobj.unused_data
 
 
 def encrypt(key: bytes, plaintext: bytes) -> bytes:
