@@ -1,3 +1,579 @@
-"""Routes: filled in by its issue."""
+"""Routes of the Queen-compatible log a timer fires into.
 
-routes: list = []
+configure, push, pop, ack, ack/batch, message detail, DLQ list and DLQ
+replay. Shapes follow Queen MQ's HTTP API (docs/log-surface.md) so its
+clients work; every state change is one queen.* function call
+(sql/schema/50_log_api.sql). Payloads are bytes in the log: `data` is the
+JSON value when the bytes are JSON, else their base64; `payloadBase64`
+is always the exact bytes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from datetime import datetime, timezone
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from . import payloads
+from .auth import READ_ONLY, READ_WRITE
+from .errors import ApiError, bad_request
+
+QUEUE_MODE = "__QUEUE_MODE__"
+ACK_STATUSES = ("completed", "success", "failed", "dlq", "retry")
+DEFAULT_POP_TIMEOUT_MS = 30000
+MAX_POP_TIMEOUT_MS = 60000      # a long poll never holds a request longer than this
+MAX_BATCH = 10000
+
+
+# ---------------------------------------------------------------------------
+# helpers
+# ---------------------------------------------------------------------------
+
+def iso_us(value: datetime | None) -> str | None:
+    """'YYYY-MM-DDTHH:MM:SS.ffffffZ' in UTC (Queen's createdAt)."""
+    if value is None:
+        return None
+    return value.astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def _s(value) -> str | None:
+    return None if value is None else str(value)
+
+
+async def _json_body(request: Request) -> dict:
+    try:
+        body = json.loads(await request.body() or b"null")
+    except ValueError:
+        raise bad_request("the body is not valid JSON") from None
+    if not isinstance(body, dict):
+        raise bad_request("the body must be a JSON object")
+    return body
+
+
+def _opt_str(obj: dict, key: str, where: str) -> str | None:
+    value = obj.get(key)
+    if value is not None and not isinstance(value, str):
+        raise bad_request(f"{where}{key} must be a string")
+    return value
+
+
+def _uuid(value: object, what: str) -> uuid.UUID:
+    if not isinstance(value, str):
+        raise bad_request(f"{what} must be a UUID string")
+    try:
+        return uuid.UUID(value)
+    except ValueError:
+        raise bad_request(f"{what} is not a valid UUID") from None
+
+
+def _read_payload(settings, raw: bytes, is_encrypted: bool) -> bytes:
+    """The bytes a consumer reads: decrypted when the frame is encrypted and
+    the key is loaded; left as stored (the envelope) otherwise, as Queen does."""
+    if is_encrypted and settings.encryption_key is not None:
+        try:
+            return payloads.decrypt(settings.encryption_key, raw)
+        except payloads.PayloadError:
+            return raw
+    return raw
+
+
+def _int_param(request: Request, name: str, default: int, minimum: int, maximum: int) -> int:
+    raw = request.query_params.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise bad_request(f"query parameter {name} must be an integer") from None
+    return max(minimum, min(maximum, value))
+
+
+def _bool_param(request: Request, name: str, default: bool = False) -> bool:
+    raw = request.query_params.get(name)
+    if raw is None or raw == "":
+        return default
+    return raw.strip().lower() in ("true", "1", "yes")
+
+
+# ---------------------------------------------------------------------------
+# configure
+# ---------------------------------------------------------------------------
+
+async def configure(request: Request) -> JSONResponse:
+    request.app.state.auth.require(request, READ_WRITE)
+    body = await _json_body(request)
+    queue = body.get("queue")
+    if not isinstance(queue, str) or not queue:
+        raise bad_request("queue is required (a non-empty string)")
+    namespace = _opt_str(body, "namespace", "")
+    task = _opt_str(body, "task", "")
+    options = body.get("options")
+    if options is None:
+        options = {}
+    if not isinstance(options, dict):
+        raise bad_request("options must be an object")
+    async with request.app.state.pool.connection() as conn:
+        cur = await conn.execute(
+            "SELECT * FROM queen.configure_queue(%s, %s, %s, %s::jsonb)",
+            (queue, namespace, task, json.dumps(options)))
+        row = await cur.fetchone()
+    return JSONResponse({
+        "configured": True, "queueId": str(row["queue_id"]), "partitionId": str(row["partition_id"]),
+        "queue": row["queue_name"], "namespace": row["namespace"], "task": row["task"],
+        "options": row["options"],
+    })
+
+
+# ---------------------------------------------------------------------------
+# push
+# ---------------------------------------------------------------------------
+
+async def push(request: Request) -> JSONResponse:
+    principal = request.app.state.auth.require(request, READ_WRITE)
+    settings = request.app.state.settings
+    body = await _json_body(request)
+    items = body.get("items")
+    if not isinstance(items, list):
+        raise bad_request("items is required (an array)")
+    parsed = []
+    for i, item in enumerate(items):
+        where = f"items[{i}]."
+        if not isinstance(item, dict):
+            raise bad_request(f"items[{i}] must be an object")
+        queue = item.get("queue")
+        if not isinstance(queue, str) or not queue:
+            raise bad_request(f"{where}queue is required (a non-empty string)")
+        partition = _opt_str(item, "partition", where) or "Default"
+        txn = _opt_str(item, "transactionId", where) or None
+        trace = item.get("traceId")
+        trace_id = None if trace is None else _uuid(trace, f"{where}traceId")
+        payload = item.get("payload", {})
+        data = json.dumps(payload, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+        parsed.append((queue, partition, txn, trace_id, data))
+    if not parsed:
+        return JSONResponse([], status_code=201)
+
+    async with request.app.state.pool.connection() as conn:
+        encrypted: set[str] = set()
+        if settings.encryption_key is not None:
+            cur = await conn.execute("SELECT queen.encrypted_queues(%s::text[]) AS name",
+                                     (sorted({p[0] for p in parsed}),))
+            encrypted = {r["name"] for r in await cur.fetchall()}
+        rows = []
+        for queue, partition, txn, trace_id, data in parsed:
+            if queue in encrypted:
+                rows.append((queue, partition, txn, trace_id, payloads.encrypt(settings.encryption_key, data), True))
+            else:
+                rows.append((queue, partition, txn, trace_id, data, False))
+        cur = await conn.execute(
+            """SELECT * FROM queen.push_messages(
+                   ARRAY(SELECT ROW(x.q, x.p, x.t, x.tr, x.pl, x.e)::queen.push_item
+                           FROM unnest(%s::text[], %s::text[], %s::text[], %s::uuid[], %s::bytea[], %s::boolean[])
+                                WITH ORDINALITY AS x(q, p, t, tr, pl, e, n)
+                          ORDER BY x.n),
+                   %s)""",
+            ([r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows], [r[3] for r in rows],
+             [r[4] for r in rows], [r[5] for r in rows], principal.sub))
+        results = await cur.fetchall()
+    out = []
+    for r in results:
+        if r["status"] == "queued":
+            out.append({"index": r["idx"], "transaction_id": r["transaction_id"], "status": "queued",
+                        "message_id": str(r["message_id"]), "partition_id": str(r["partition_id"]),
+                        "trace_id": _s(r["trace_id"]), "queueName": r["queue_name"]})
+        else:
+            out.append({"index": r["idx"], "transaction_id": r["transaction_id"], "status": r["status"],
+                        "message_id": str(r["message_id"]), "queueName": r["queue_name"]})
+    return JSONResponse(out, status_code=201)
+
+
+# ---------------------------------------------------------------------------
+# pop
+# ---------------------------------------------------------------------------
+
+async def pop(request: Request) -> Response:
+    request.app.state.auth.require(request, READ_WRITE)
+    settings = request.app.state.settings
+    queue = request.path_params["queue"]
+    partition = request.path_params.get("partition")
+    batch = _int_param(request, "batch", 1, 1, MAX_BATCH)
+    wait = _bool_param(request, "wait")
+    timeout_ms = _int_param(request, "timeout", DEFAULT_POP_TIMEOUT_MS, 0, MAX_POP_TIMEOUT_MS)
+    group = request.query_params.get("consumerGroup") or QUEUE_MODE
+    auto_ack = _bool_param(request, "autoAck")
+
+    deadline = time.monotonic() + timeout_ms / 1000
+    sleep = 0.05
+    while True:
+        async with request.app.state.pool.connection() as conn:
+            cur = await conn.execute("SELECT * FROM queen.pop_messages(%s, %s, %s, %s, %s)",
+                                     (queue, partition, group, batch, auto_ack))
+            rows = await cur.fetchall()
+        remaining = deadline - time.monotonic()
+        if rows or not wait or remaining <= 0:
+            break
+        await asyncio.sleep(min(sleep, remaining))
+        sleep = min(sleep * 2, 0.5)
+    if not rows:
+        return Response(status_code=204)
+
+    lease_id = "" if auto_ack else str(rows[0]["lease_id"])
+    messages = []
+    for r in rows:
+        data = _read_payload(settings, bytes(r["payload"]), r["is_encrypted"])
+        messages.append({
+            "id": str(r["message_id"]), "transactionId": r["transaction_id"], "traceId": _s(r["trace_id"]),
+            "data": payloads.as_json_data(data), "payloadBase64": payloads.encode_base64(data),
+            "producerSub": r["producer_sub"], "createdAt": iso_us(r["created_at"]),
+            "queue": r["queue"], "partitionId": str(r["partition_id"]), "partition": r["partition"],
+            "leaseId": lease_id, "consumerGroup": r["consumer_group"],
+        })
+    first = rows[0]
+    return JSONResponse({
+        "success": True, "queue": first["queue"], "partition": first["partition"],
+        "partitionId": str(first["partition_id"]), "leaseId": lease_id,
+        "consumerGroup": first["consumer_group"], "partitionsClaimed": 1,
+        "leaseExpiresAt": iso_us(first["lease_expires_at"]), "messages": messages,
+    })
+
+
+# ---------------------------------------------------------------------------
+# ack
+# ---------------------------------------------------------------------------
+
+def _parse_ack(obj: object, where: str, default_group: str | None) -> tuple:
+    if not isinstance(obj, dict):
+        raise bad_request(f"{where} must be an object")
+    txn = obj.get("transactionId")
+    if not isinstance(txn, str) or not txn:
+        raise bad_request(f"{where}.transactionId is required (a string)")
+    partition_id = _uuid(obj.get("partitionId"), f"{where}.partitionId")
+    status = obj.get("status")
+    if status is not None and status not in ACK_STATUSES:
+        raise bad_request(f"{where}.status must be one of {', '.join(ACK_STATUSES)}")
+    error = obj.get("error")
+    if error is not None and not isinstance(error, str):
+        error = json.dumps(error)
+    lease = obj.get("leaseId")
+    if lease is not None and not isinstance(lease, str):
+        raise bad_request(f"{where}.leaseId must be a string")
+    group = obj.get("consumerGroup")
+    if group is not None and not isinstance(group, str):
+        raise bad_request(f"{where}.consumerGroup must be a string")
+    return (txn, partition_id, status, error, lease, group or default_group)
+
+
+async def _ack(request: Request, acks: list[tuple]) -> list[dict]:
+    if not acks:
+        return []
+    async with request.app.state.pool.connection() as conn:
+        cur = await conn.execute(
+            """SELECT * FROM queen.ack_messages(
+                   ARRAY(SELECT ROW(x.t, x.p, x.s, x.e, x.l, x.g)::queen.ack_item
+                           FROM unnest(%s::text[], %s::uuid[], %s::text[], %s::text[], %s::text[], %s::text[])
+                                WITH ORDINALITY AS x(t, p, s, e, l, g, n)
+                          ORDER BY x.n))""",
+            tuple([a[i] for a in acks] for i in range(6)))
+        rows = await cur.fetchall()
+    return [{"index": r["idx"], "transactionId": r["transaction_id"], "success": r["success"],
+             "error": r["error"], "queueName": r["queue_name"], "partitionName": r["partition_name"],
+             "leaseReleased": r["lease_released"], "dlq": r["dlq"]} for r in rows]
+
+
+async def ack(request: Request) -> JSONResponse:
+    request.app.state.auth.require(request, READ_WRITE)
+    body = await _json_body(request)
+    return JSONResponse(await _ack(request, [_parse_ack(body, "body", None)]))
+
+
+async def ack_batch(request: Request) -> JSONResponse:
+    request.app.state.auth.require(request, READ_WRITE)
+    body = await _json_body(request)
+    group = body.get("consumerGroup")
+    if group is not None and not isinstance(group, str):
+        raise bad_request("consumerGroup must be a string")
+    items = body.get("acknowledgments")
+    if not isinstance(items, list):
+        raise bad_request("acknowledgments is required (an array)")
+    acks = [_parse_ack(a, f"acknowledgments[{i}]", group) for i, a in enumerate(items)]
+    return JSONResponse(await _ack(request, acks))
+
+
+# ---------------------------------------------------------------------------
+# message detail
+# ---------------------------------------------------------------------------
+
+async def get_message(request: Request) -> JSONResponse:
+    request.app.state.auth.require(request, READ_ONLY)
+    settings = request.app.state.settings
+    try:
+        partition_id = uuid.UUID(request.path_params["partitionId"])
+    except ValueError:
+        return JSONResponse({"error": "Message not found"}, status_code=404)
+    async with request.app.state.pool.connection() as conn:
+        cur = await conn.execute("SELECT * FROM queen.get_message(%s, %s)",
+                                 (partition_id, request.path_params["transactionId"]))
+        r = await cur.fetchone()
+    if r is None:
+        return JSONResponse({"error": "Message not found"}, status_code=404)
+    data = _read_payload(settings, bytes(r["payload"]), r["is_encrypted"])
+    value = payloads.as_json_data(data)
+    return JSONResponse({
+        "id": str(r["message_id"]), "transactionId": r["transaction_id"],
+        "partitionId": str(r["partition_id"]), "queuePath": f"{r['queue']}/{r['partition']}",
+        "queue": r["queue"], "partition": r["partition"], "namespace": r["namespace"], "task": r["task"],
+        "status": r["status"], "payload": value, "data": value,
+        "payloadBase64": payloads.encode_base64(data), "isEncrypted": r["is_encrypted"],
+        "traceId": _s(r["trace_id"]), "producerSub": r["producer_sub"], "createdAt": iso_us(r["created_at"]),
+        "errorMessage": r["error_message"], "retryCount": r["retry_count"],
+        "leaseExpiresAt": iso_us(r["lease_expires_at"]), "queueConfig": r["queue_config"],
+        "mode": r["mode"], "consumerGroups": r["consumer_groups"],
+    })
+
+
+# ---------------------------------------------------------------------------
+# DLQ
+# ---------------------------------------------------------------------------
+
+async def list_dlq(request: Request) -> JSONResponse:
+    request.app.state.auth.require(request, READ_ONLY)
+    queue = request.query_params.get("queue") or None
+    group = request.query_params.get("consumerGroup") or None
+    limit = _int_param(request, "limit", 100, 1, 1000)
+    offset = _int_param(request, "offset", 0, 0, 2**31 - 1)
+    # `partition`, `from` and `to` are ignored, as Queen's dlq route does
+    async with request.app.state.pool.connection() as conn:
+        cur = await conn.execute("SELECT * FROM queen.list_dlq(%s, %s, %s, %s)", (queue, group, limit, offset))
+        rows = await cur.fetchall()
+        cur = await conn.execute("SELECT queen.count_dlq(%s, %s) AS total", (queue, group))
+        total = (await cur.fetchone())["total"]
+    messages = []
+    for r in rows:
+        raw = bytes(r["payload"])  # not decrypted here, as Queen's DLQ route
+        messages.append({
+            "id": str(r["message_id"]), "dlqId": str(r["dlq_id"]), "transactionId": r["transaction_id"],
+            "partitionId": str(r["partition_id"]), "queue": r["queue"], "partition": r["partition"],
+            "consumerGroup": r["consumer_group"], "errorMessage": r["error_message"],
+            "retryCount": r["retry_count"], "data": payloads.as_json_data(raw),
+            "payloadBase64": payloads.encode_base64(raw), "isEncrypted": r["is_encrypted"],
+            "producerSub": r["producer_sub"], "createdAt": iso_us(r["created_at"]),
+            "failedAt": iso_us(r["failed_at"]),
+        })
+    return JSONResponse({"messages": messages, "pagination": {"limit": limit, "offset": offset},
+                         "total": total})
+
+
+async def replay_dlq(request: Request) -> JSONResponse:
+    request.app.state.auth.require(request, READ_WRITE)
+    try:
+        dlq_id = uuid.UUID(request.path_params["id"])
+    except ValueError:
+        raise ApiError(404, "not_found", "no DLQ entry with that id (it is not a UUID)") from None
+    async with request.app.state.pool.connection() as conn:
+        cur = await conn.execute("SELECT queen.replay_dlq_entry(%s) AS message_id", (dlq_id,))
+        row = await cur.fetchone()
+    return JSONResponse({"replayed": True, "dlqId": str(dlq_id), "messageId": str(row["message_id"])})
+
+
+routes = [
+    Route("/api/v1/configure", configure, methods=["POST"]),
+    Route("/api/v1/push", push, methods=["POST"]),
+    Route("/api/v1/pop/queue/{queue}", pop, methods=["GET"]),
+    Route("/api/v1/pop/queue/{queue}/partition/{partition}", pop, methods=["GET"]),
+    Route("/api/v1/ack", ack, methods=["POST"]),
+    Route("/api/v1/ack/batch", ack_batch, methods=["POST"]),
+    Route("/api/v1/messages/{partitionId}/{transactionId}", get_message, methods=["GET"]),
+    Route("/api/v1/dlq", list_dlq, methods=["GET"]),
+    Route("/api/v1/dlq/{id}/replay", replay_dlq, methods=["POST"]),
+]
+
+
+# ---------------------------------------------------------------------------
+# OpenAPI 3.1 path items (merged by openapi.py)
+# ---------------------------------------------------------------------------
+
+def _json(description: str, schema: dict) -> dict:
+    return {"description": description, "content": {"application/json": {"schema": schema}}}
+
+
+def _err(description: str, slugs: list[str] | None = None) -> dict:
+    schema: dict = {"$ref": "#/components/schemas/Error"}
+    if slugs:
+        schema = {"allOf": [schema, {"properties": {"error": {"enum": slugs}}}]}
+    return _json(description, schema)
+
+
+def _ref(name: str) -> dict:
+    return {"$ref": f"#/components/schemas/{name}"}
+
+
+_AUTH = {"401": _err("no credential, or a bad one (QUEEN_AUTH=jwt)", ["unauthorized"]),
+         "403": _err("the credential's access level is too low", ["forbidden"])}
+_BAD = {"400": _err("shape", ["timers_bad_request"])}
+_UNAVAILABLE = {"503": _err("the database cannot answer right now", ["timers_unavailable"])}
+
+
+def _q(name: str, schema: dict, description: str) -> dict:
+    return {"name": name, "in": "query", "required": False, "schema": schema, "description": description}
+
+
+def _p(name: str, description: str) -> dict:
+    return {"name": name, "in": "path", "required": True, "schema": {"type": "string"}, "description": description}
+
+
+_POP_PARAMS = [
+    _q("batch", {"type": "integer", "minimum": 1, "default": 1}, "messages per pop (clamped to 1..10000)"),
+    _q("wait", {"type": "boolean", "default": False}, "long-poll until a message is available or `timeout`"),
+    _q("timeout", {"type": "integer", "minimum": 0, "default": DEFAULT_POP_TIMEOUT_MS},
+       f"long-poll bound in ms (clamped to {MAX_POP_TIMEOUT_MS})"),
+    _q("consumerGroup", {"type": "string", "default": QUEUE_MODE},
+       "consumer group; the default is the competing-consumers queue mode"),
+    _q("autoAck", {"type": "boolean", "default": False}, "move the cursor at once; no lease (leaseId \"\")"),
+]
+
+_POP = {
+    "summary": "Lease a partition for a consumer group and take up to `batch` messages after its cursor",
+    "parameters": None,
+    "responses": {"200": _json("messages", _ref("PopResult")), "204": {"description": "nothing available"},
+                  **_BAD, **_AUTH, **_UNAVAILABLE},
+}
+
+OPENAPI_PATHS: dict = {
+    "/api/v1/configure": {"post": {
+        "summary": "Create or overwrite a queue (every option; a missing one resets to its default)",
+        "requestBody": {"required": True, "content": {"application/json": {"schema": _ref("ConfigureRequest")}}},
+        "responses": {"200": _json("the queue as configured", _ref("ConfigureResult")),
+                      **_BAD, **_AUTH, **_UNAVAILABLE}}},
+    "/api/v1/push": {"post": {
+        "summary": "Append messages; a transactionId already in the partition answers `duplicate`",
+        "requestBody": {"required": True, "content": {"application/json": {"schema": _ref("PushRequest")}}},
+        "responses": {"201": _json("one result per item, in input order",
+                                   {"type": "array", "items": _ref("PushResult")}),
+                      **_BAD, **_AUTH, **_UNAVAILABLE}}},
+    "/api/v1/pop/queue/{queue}": {"get": {
+        **_POP, "parameters": [_p("queue", "queue name"), *_POP_PARAMS]}},
+    "/api/v1/pop/queue/{queue}/partition/{partition}": {"get": {
+        **_POP, "parameters": [_p("queue", "queue name"), _p("partition", "partition name"), *_POP_PARAMS]}},
+    "/api/v1/ack": {"post": {
+        "summary": "Acknowledge one message (completed, failed, dlq or retry)",
+        "requestBody": {"required": True, "content": {"application/json": {"schema": _ref("Ack")}}},
+        "responses": {"200": _json("a one-element array", {"type": "array", "items": _ref("AckResult")}),
+                      **_BAD, **_AUTH, **_UNAVAILABLE}}},
+    "/api/v1/ack/batch": {"post": {
+        "summary": "Acknowledge several messages",
+        "requestBody": {"required": True, "content": {"application/json": {"schema": {
+            "type": "object", "required": ["acknowledgments"],
+            "properties": {"consumerGroup": {"type": ["string", "null"]},
+                           "acknowledgments": {"type": "array", "items": _ref("Ack")}}}}}},
+        "responses": {"200": _json("one result per acknowledgement, in input order",
+                                   {"type": "array", "items": _ref("AckResult")}),
+                      **_BAD, **_AUTH, **_UNAVAILABLE}}},
+    "/api/v1/messages/{partitionId}/{transactionId}": {"get": {
+        "summary": "One message by partition id and transaction id, with its derived status",
+        "parameters": [_p("partitionId", "partition UUID"), _p("transactionId", "transaction id")],
+        "responses": {"200": _json("the message", _ref("MessageDetail")),
+                      "404": _json("no such message", {"type": "object", "properties": {
+                          "error": {"const": "Message not found"}}}),
+                      **_AUTH, **_UNAVAILABLE}}},
+    "/api/v1/dlq": {"get": {
+        "summary": "Dead letters, newest first (`partition`, `from`, `to` are ignored, as in Queen)",
+        "parameters": [_q("queue", {"type": "string"}, "queue name (all queues when absent)"),
+                       _q("consumerGroup", {"type": "string"}, "consumer group (all when absent)"),
+                       _q("limit", {"type": "integer", "default": 100, "minimum": 1, "maximum": 1000}, "page size"),
+                       _q("offset", {"type": "integer", "default": 0, "minimum": 0}, "rows to skip")],
+        "responses": {"200": _json("a page", _ref("DlqPage")), **_BAD, **_AUTH, **_UNAVAILABLE}}},
+    "/api/v1/dlq/{id}/replay": {"post": {
+        "summary": "Replay a dead letter into its partition as a new message (not a timer's)",
+        "parameters": [_p("id", "the DLQ entry's dlqId")],
+        "responses": {"200": _json("replayed", {"type": "object", "properties": {
+                          "replayed": {"const": True}, "dlqId": {"type": "string", "format": "uuid"},
+                          "messageId": {"type": "string", "format": "uuid"}}}),
+                      "404": _err("no such DLQ entry", ["not_found"]),
+                      "409": _err("a timer's dead letter cannot be replayed", ["dlq_replay_refused"]),
+                      **_AUTH, **_UNAVAILABLE}}},
+}
+
+_INT = {"type": "integer", "minimum": 0}
+_BOOL = {"type": "boolean"}
+_OPTIONS = {
+    "leaseTime": _INT, "retryLimit": _INT, "retryDelay": _INT, "maxSize": _INT, "ttl": _INT, "priority": _INT,
+    "delayedProcessing": _INT, "windowBuffer": _INT, "retentionSeconds": _INT, "completedRetentionSeconds": _INT,
+    "retentionEnabled": _BOOL, "encryptionEnabled": _BOOL, "deadLetterQueue": _BOOL,
+    "dlqAfterMaxRetries": _BOOL, "maxWaitTimeSeconds": _INT,
+}
+_MESSAGE_FIELDS = {
+    "id": {"type": "string", "format": "uuid"}, "transactionId": {"type": "string"},
+    "traceId": {"type": ["string", "null"]},
+    "data": {"description": "the payload: its JSON value when the bytes are JSON, else their base64"},
+    "payloadBase64": {"type": "string", "contentEncoding": "base64", "description": "the exact bytes"},
+    "producerSub": {"type": ["string", "null"]},
+    "createdAt": {"type": "string", "description": "YYYY-MM-DDTHH:MM:SS.ffffffZ"},
+    "partitionId": {"type": "string", "format": "uuid"}, "partition": {"type": "string"},
+    "queue": {"type": "string"},
+}
+
+OPENAPI_SCHEMAS: dict = {
+    "ConfigureRequest": {"type": "object", "required": ["queue"], "properties": {
+        "queue": {"type": "string", "minLength": 1}, "namespace": {"type": ["string", "null"]},
+        "task": {"type": ["string", "null"]},
+        "options": {"type": "object", "properties": _OPTIONS,
+                    "description": "camelCase; unknown keys are dropped, missing ones reset to the default"}}},
+    "ConfigureResult": {"type": "object", "properties": {
+        "configured": {"const": True}, "queueId": {"type": "string", "format": "uuid"},
+        "partitionId": {"type": "string", "format": "uuid", "description": "the Default partition"},
+        "queue": {"type": "string"}, "namespace": {"type": ["string", "null"]}, "task": {"type": ["string", "null"]},
+        "options": {"type": "object", "properties": _OPTIONS}}},
+    "PushRequest": {"type": "object", "required": ["items"], "properties": {"items": {"type": "array", "items": {
+        "type": "object", "required": ["queue"], "properties": {
+            "queue": {"type": "string", "minLength": 1},
+            "partition": {"type": "string", "default": "Default"},
+            "payload": {"description": "any JSON value (default {}); stored as its compact JSON bytes"},
+            "transactionId": {"type": "string", "description": "unique per partition; generated when absent"},
+            "traceId": {"type": "string", "format": "uuid"}},
+        "description": "producerSub and messageId are set by the server; values sent are ignored"}}}},
+    "PushResult": {"type": "object", "properties": {
+        "index": {"type": "integer"}, "transaction_id": {"type": "string"},
+        "status": {"enum": ["queued", "duplicate"]}, "message_id": {"type": "string", "format": "uuid"},
+        "partition_id": {"type": "string", "format": "uuid"}, "trace_id": {"type": ["string", "null"]},
+        "queueName": {"type": "string"}}},
+    "PopResult": {"type": "object", "properties": {
+        "success": {"const": True}, "queue": {"type": "string"}, "partition": {"type": "string"},
+        "partitionId": {"type": "string", "format": "uuid"}, "leaseId": {"type": "string"},
+        "consumerGroup": {"type": "string"}, "partitionsClaimed": {"type": "integer"},
+        "leaseExpiresAt": {"type": ["string", "null"]},
+        "messages": {"type": "array", "items": {"type": "object", "properties": {
+            **_MESSAGE_FIELDS, "leaseId": {"type": "string"}, "consumerGroup": {"type": "string"}}}}}},
+    "Ack": {"type": "object", "required": ["transactionId", "partitionId"], "properties": {
+        "transactionId": {"type": "string"}, "partitionId": {"type": "string", "format": "uuid"},
+        "status": {"enum": list(ACK_STATUSES), "default": "completed"},
+        "error": {"type": ["string", "null"]}, "leaseId": {"type": ["string", "null"]},
+        "consumerGroup": {"type": ["string", "null"]}}},
+    "AckResult": {"type": "object", "properties": {
+        "index": {"type": "integer"}, "transactionId": {"type": "string"}, "success": {"type": "boolean"},
+        "error": {"enum": [None, "Message not found", "Invalid or expired lease"]},
+        "queueName": {"type": ["string", "null"]}, "partitionName": {"type": ["string", "null"]},
+        "leaseReleased": {"type": "boolean"}, "dlq": {"type": "boolean"}}},
+    "MessageDetail": {"type": "object", "properties": {
+        **_MESSAGE_FIELDS, "queuePath": {"type": "string"},
+        "status": {"enum": ["dead_letter", "completed", "processing", "pending"]},
+        "payload": {"description": "same as data (Queen's field name)"},
+        "isEncrypted": {"type": "boolean"}, "namespace": {"type": ["string", "null"]},
+        "task": {"type": ["string", "null"]}, "errorMessage": {"type": ["string", "null"]},
+        "retryCount": {"type": "integer"}, "leaseExpiresAt": {"type": ["string", "null"]},
+        "queueConfig": {"type": "object"}, "mode": {"type": "object"}, "consumerGroups": {"type": "array"}}},
+    "DlqPage": {"type": "object", "properties": {
+        "messages": {"type": "array", "items": {"type": "object", "properties": {
+            **_MESSAGE_FIELDS, "dlqId": {"type": "string", "format": "uuid",
+                                         "description": "the DLQ entry (for replay); `id` is the message id"},
+            "consumerGroup": {"type": "string"}, "errorMessage": {"type": ["string", "null"]},
+            "retryCount": {"type": "integer"}, "isEncrypted": {"type": "boolean"},
+            "failedAt": {"type": "string"}}}},
+        "pagination": {"type": "object", "properties": {"limit": {"type": "integer"}, "offset": {"type": "integer"}}},
+        "total": {"type": "integer"}}},
+}
