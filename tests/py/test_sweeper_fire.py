@@ -1,0 +1,169 @@
+"""The sweeper fires: prompt delivery (NOTIFY wake-up), zstd through the leased
+path, too_late while a claim is held, operator pauses, Prometheus metrics."""
+
+from __future__ import annotations
+
+import time
+from datetime import timedelta
+
+import httpx
+import jwt
+import psycopg
+import pytest
+
+from sweeper_support import (  # noqa: F401  (fixtures)
+    messages, sample, schedule, scrape, sdb, sweeper_broker, sweeper_url, timer, timer_count, wait_until,
+)
+
+JWT_SECRET = "sweeper-test-secret-0123456789abcdef0123456789"
+
+
+def token(role: str) -> dict:
+    t = jwt.encode({"sub": f"ops-{role}", "tenant": "default", "role": role}, JWT_SECRET, algorithm="HS256")
+    return {"Authorization": f"Bearer {t}"}
+
+
+def test_short_timers_are_delivered_by_the_notify_wakeup(sdb, sweeper_broker):
+    # A 5 s maximum sleep: without the LISTEN wake-up a 300 ms timer could wait ~5 s.
+    sweeper_broker(QUEEN_SWEEPER_MAX_SLEEP_MS=5000)
+    time.sleep(0.5)  # the sweeper found nothing to do and planned its longest sleep
+    verdicts = schedule(sdb, [timer("wake", "now", 0, b'{"n":0}'), timer("wake", "soon", 300, b'{"n":300}')])
+    due = {v["timer_key"]: v["deliver_at"] for v in verdicts}
+
+    wait_until(lambda: len(messages(sdb)) == 2, 10, message="both frames")
+    assert timer_count(sdb) == 0
+    frames = {m["txn"]: m for m in messages(sdb)}
+    assert bytes(frames["txn-wake-now"]["payload"]) == b'{"n":0}'
+    assert bytes(frames["txn-wake-soon"]["payload"]) == b'{"n":300}'
+    # deliverAt is a floor, and the wake-up beat the 5 s sleep by far (PostgreSQL's clock on both sides)
+    for key, txn in (("now", "txn-wake-now"), ("soon", "txn-wake-soon")):
+        lag = frames[txn]["created_at"] - due[key]
+        assert timedelta(0) <= lag < timedelta(seconds=2.5), (key, lag)
+
+
+def test_zstd_timers_are_delivered_decompressed(sdb, sweeper_broker):
+    b = sweeper_broker(QUEEN_BROKER_ID="zstd-broker")
+    body = b'{"order":42,"note":"' + b"x" * 5000 + b'"}'
+    schedule(sdb, [timer("zq", f"k{i}", 0, body + bytes([48 + i]), compressed=True) for i in range(5)]
+             + [timer("zq", "plain", 0, b"plain bytes")])
+    wait_until(lambda: timer_count(sdb) == 0, 10, message="zstd timers fired")
+    frames = {m["txn"]: bytes(m["payload"]) for m in messages(sdb)}
+    assert frames == {**{f"txn-zq-k{i}": body + bytes([48 + i]) for i in range(5)}, "txn-zq-plain": b"plain bytes"}
+    _, s = scrape(b)
+    assert sample(s, "queen_timers_fired_total", outcome="fired") == 6
+
+
+def test_cancel_while_claimed_is_too_late(sdb, sweeper_url):
+    # No broker needed: claim it from SQL as a broker would, at a pinned future instant.
+    schedule(sdb, [timer("tl", "held", 60_000, b"p")])
+    claimed = sdb.execute("SELECT * FROM queen.claim_timers('sql-broker', 10, 60000, now() + interval '61 s')")\
+        .fetchall()
+    assert [c["timer_key"] for c in claimed] == ["held"]
+    verdict = sdb.execute("SELECT queen.cancel_timer('default', 'tl', 'held') AS v").fetchone()["v"]
+    assert verdict == "too_late"
+    assert timer_count(sdb) == 1
+    # the claim still fires it
+    fired = sdb.execute("SELECT * FROM queen.fire_timers(%s, ARRAY[ROW('default','tl','held',NULL)::queen.fire_frame],"
+                        " now() + interval '62 s')", (claimed[0]["claim_id"],)).fetchall()
+    assert [f["outcome"] for f in fired] == ["fired"]
+    assert sdb.execute("SELECT queen.cancel_timer('default', 'tl', 'held') AS v").fetchone()["v"] == "absent"
+
+
+def test_cancel_while_claimed_is_too_late_over_http(sdb, sweeper_broker):
+    b = sweeper_broker()
+    schedule(sdb, [timer("tl", "tenant/42", 60_000, b"p")])
+    sdb.execute("SELECT * FROM queen.claim_timers('sql-broker', 10, 60000, now() + interval '61 s')").fetchall()
+    r = httpx.delete(f"{b.url}/api/v1/timers/tl/tenant/42", timeout=10)
+    if r.status_code in (404, 405) and "json" not in r.headers.get("content-type", ""):
+        pytest.skip("DELETE /api/v1/timers route not present")
+    assert r.status_code == 200, r.text
+    assert r.json()["status"] == "too_late"
+    assert timer_count(sdb) == 1
+
+
+def test_pausing_the_fire_stops_delivery_and_resuming_delivers(sdb, sweeper_broker):
+    b = sweeper_broker(QUEEN_SWEEPER_MAX_SLEEP_MS=200)
+    with b.client() as c:
+        r = c.post("/api/v1/system/timers/fire", json={"paused": True})
+        assert r.status_code == 200, r.text
+        assert r.json() == {"schedulingPaused": False, "firePaused": True, "pending": 0}
+        schedule(sdb, [timer("pz", "a", 0, b"a"), timer("pz", "z", 0, b"z", compressed=True)])
+        time.sleep(1.5)  # several sweeper cycles
+        assert timer_count(sdb) == 2 and messages(sdb) == []
+        assert c.get("/api/v1/system/timers").json() == {"schedulingPaused": False, "firePaused": True, "pending": 2}
+        _, s = scrape(b)
+        assert sample(s, "queen_timers_pending") == 2
+        assert sample(s, "queen_timers_fire_paused") == 1
+
+        r = c.post("/api/v1/system/timers/fire", json={"paused": False})
+        assert r.status_code == 200 and r.json()["firePaused"] is False
+        wait_until(lambda: timer_count(sdb) == 0, 10, message="fire after resume")
+        assert sorted(m["txn"] for m in messages(sdb)) == ["txn-pz-a", "txn-pz-z"]
+        assert c.get("/api/v1/system/timers").json()["pending"] == 0
+
+
+def test_pausing_scheduling_leaves_the_fire_running(sdb, sweeper_broker):
+    b = sweeper_broker()
+    schedule(sdb, [timer("ps", "before", 400, b"x")])
+    with b.client() as c:
+        r = c.post("/api/v1/system/timers/scheduling", json={"paused": True})
+        assert r.status_code == 200 and r.json()["schedulingPaused"] is True and r.json()["firePaused"] is False
+        with pytest.raises(psycopg.Error) as err:
+            schedule(sdb, [timer("ps", "during", 0, b"y")])
+        assert err.value.sqlstate == "QTOFF"
+        r = c.post("/api/v1/timers", json={"operations": [
+            {"op": "schedule", "queue": "ps", "timerKey": "http", "delayMs": 0, "txn": "t", "payload": "eA=="}]})
+        if r.status_code != 404:
+            assert r.status_code == 503 and r.json()["error"] == "timers_disabled"
+        wait_until(lambda: timer_count(sdb) == 0, 10, message="the fire while scheduling is paused")
+        assert [m["txn"] for m in messages(sdb)] == ["txn-ps-before"]
+        assert c.post("/api/v1/system/timers/scheduling", json={"paused": False}).json()["schedulingPaused"] is False
+    schedule(sdb, [timer("ps", "after", 0, b"z")])
+    wait_until(lambda: len(messages(sdb)) == 2, 10, message="the timer scheduled after resume")
+
+
+@pytest.mark.parametrize("body", [{}, {"paused": "yes"}, {"paused": True, "extra": 1}, [True]])
+def test_operator_switch_rejects_bad_bodies(sdb, sweeper_broker, body):
+    b = sweeper_broker()
+    with b.client() as c:
+        r = c.post("/api/v1/system/timers/fire", json=body)
+        assert r.status_code == 400 and r.json()["error"] == "timers_bad_request", r.text
+        assert c.get("/api/v1/system/timers").json()["firePaused"] is False
+
+
+def test_operator_routes_need_admin(sdb, sweeper_broker):
+    b = sweeper_broker(QUEEN_AUTH="jwt", QUEEN_JWT_SECRET=JWT_SECRET)
+    with b.client() as c:
+        assert c.get("/api/v1/system/timers").status_code == 401
+        r = c.post("/api/v1/system/timers/fire", json={"paused": True}, headers=token("read-write"))
+        assert r.status_code == 403 and r.json()["error"] == "forbidden"
+        assert sdb.execute("SELECT fire_paused FROM queen.cell_settings").fetchone()["fire_paused"] is False
+        r = c.post("/api/v1/system/timers/fire", json={"paused": True}, headers=token("admin"))
+        assert r.status_code == 200 and r.json()["firePaused"] is True
+        assert sdb.execute("SELECT fire_paused FROM queen.cell_settings").fetchone()["fire_paused"] is True
+        # the scrape is public
+        assert c.get("/metrics/prometheus").status_code == 200
+
+
+def test_prometheus_exposes_the_families(sdb, sweeper_broker):
+    b = sweeper_broker()
+    schedule(sdb, [timer("mq", "one", 0, b"1")])
+    wait_until(lambda: timer_count(sdb) == 0, 10, message="first fire")
+    # the same txn again in the same partition: the log already has it -> duplicate, no second frame
+    schedule(sdb, [timer("mq", "two", 0, b"2", txn="txn-mq-one")])
+    wait_until(lambda: timer_count(sdb) == 0, 10, message="duplicate fire")
+    schedule(sdb, [timer("mq", "later", 3_600_000, b"3")])
+
+    r, s = scrape(b)
+    assert r.status_code == 200
+    assert r.headers["content-type"].startswith("text/plain; version=0.0.4")
+    assert len(messages(sdb)) == 1
+    assert sample(s, "queen_timers_fired_total", outcome="fired") == 1
+    assert sample(s, "queen_timers_fired_total", outcome="duplicate") == 1
+    assert sample(s, "queen_timers_fire_lag_seconds_count") == 1
+    assert ("queen_timers_fire_lag_seconds_bucket", (("le", "+Inf"),)) in s
+    for cls in ("transient", "permanent", "config"):
+        assert ("queen_timers_fire_failures_total", (("class", cls),)) in s
+    assert ("queen_timers_dlq_moves_total", ()) in s
+    assert ("queen_timers_claims_lost_total", ()) in s
+    assert sample(s, "queen_timers_pending") == 1
