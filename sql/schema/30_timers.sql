@@ -417,6 +417,8 @@ END
 $$;
 
 -- One timer as peek shows it; no row when there is none (for this tenant).
+-- Key columns are handed out with the declared (default) collation: an
+-- inlined SQL function would otherwise leak the column's "C" collation.
 CREATE FUNCTION queen.peek_timer(
     p_tenant    text,
     p_queue     text,
@@ -424,7 +426,7 @@ CREATE FUNCTION queen.peek_timer(
     p_now       timestamptz DEFAULT NULL)
 RETURNS SETOF queen.timer_view
 LANGUAGE sql STABLE AS $$
-    SELECT tenant, queue, timer_key, partition, deliver_at, txn, message_id, payload, payload_zstd,
+    SELECT tenant, queue, timer_key COLLATE "default", partition, deliver_at, txn, message_id, payload, payload_zstd,
            encrypted, producer_sub, attempts, last_error,
            queen.timer_is_claimed(lease_until, coalesce(p_now, now())), created_at, updated_at
       FROM queen.timers
@@ -472,10 +474,10 @@ LANGUAGE sql STABLE AS $$
                max(timer_key) FILTER (WHERE rn = (SELECT n FROM lim)) AS last_key
           FROM page
     )
-    SELECT p.timer_key, p.partition, p.deliver_at, p.txn, p.message_id, p.payload_zstd, p.encrypted,
+    SELECT p.timer_key COLLATE "default", p.partition, p.deliver_at, p.txn, p.message_id, p.payload_zstd, p.encrypted,
            p.producer_sub, p.attempts, p.last_error,
            queen.timer_is_claimed(p.lease_until, coalesce(p_now, now())), p.created_at, p.updated_at,
-           f.truncated, CASE WHEN f.truncated THEN f.last_key END
+           f.truncated, CASE WHEN f.truncated THEN f.last_key END COLLATE "default"
       FROM page p, flags f
      WHERE p.rn <= (SELECT n FROM lim)
      ORDER BY p.timer_key COLLATE "C"
