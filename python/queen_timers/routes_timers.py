@@ -48,9 +48,6 @@ FIELDS: dict[str, tuple[str, ...]] = {
     "encrypted": ("schedule", "reschedule"),
 }
 INT64_MIN, INT64_MAX = -(2 ** 63), 2 ** 63 - 1
-# A delay further in the past than this (~31 years) is a client bug, not a
-# timer that is "due at once"; it would also overflow timestamptz arithmetic.
-MIN_DELAY_MS = -(10 ** 12)
 INT32_MIN, INT32_MAX = -(2 ** 31), 2 ** 31 - 1
 
 SCHEDULE_SQL = """
@@ -68,7 +65,8 @@ SELECT v.ordinal, v.ok, v.status, v.queue, v.timer_key, v.txn, v.message_id, v.d
                 ORDER BY o.n),
          %(producer_sub)s,
          %(horizon_ms)s::bigint,
-         %(tenancy)s::boolean) AS v
+         %(tenancy)s::boolean,
+         p_max_ops => %(max_ops)s::integer) AS v
  ORDER BY v.ordinal
 """
 
@@ -211,10 +209,8 @@ def _parse_ops(body: object, max_ops: int) -> list[dict]:
             raise bad_request(f"{where}delayMs is required for {op}")
         if isinstance(delay, bool) or not isinstance(delay, int):
             raise bad_request(f"{where}delayMs must be an integer number of milliseconds")
-        if delay > INT64_MAX:
-            raise bad_request(f"{where}delayMs is out of range")
-        if delay < MIN_DELAY_MS:
-            raise bad_request(f"{where}delayMs is more than {-MIN_DELAY_MS} ms in the past")
+        if not INT64_MIN <= delay <= INT64_MAX:
+            raise bad_request(f"{where}delayMs is out of range (a 64-bit integer)")
         parsed["delayMs"] = delay
 
         partition = raw.get("partition")
@@ -302,6 +298,7 @@ async def schedule(request: Request) -> JSONResponse:
             "producer_sub": principal.sub,
             "horizon_ms": settings.timers_horizon_ms,
             "tenancy": settings.tenancy,
+            "max_ops": settings.timers_max_ops,
             "op": [o["op"] for o in ops],
             "queue": [o["queue"] for o in ops],
             "timer_key": [o["timerKey"] for o in ops],

@@ -50,7 +50,7 @@ def test_body_shape(client, db, raw, fragment):
     (op("schedule", "k", delayMs=1.5), "delayMs must be an integer"),
     (op("schedule", "k", delayMs=True), "delayMs must be an integer"),
     (op("schedule", "k", delayMs=2 ** 63), "out of range"),
-    (op("schedule", "k", delayMs=-(10 ** 15)), "in the past"),
+    (op("schedule", "k", delayMs=-(2 ** 63) - 1), "out of range"),
     (op("schedule", "k", txn=...), "txn is required"),
     (op("schedule", "k", txn=""), "txn must be a non-empty string"),
     (op("schedule", "k", payload=...), "payload is required"),
@@ -89,6 +89,14 @@ def test_more_than_max_ops(broker_factory, db):
     with b.client() as c:
         refused(c, db, {"operations": [op("schedule", f"k{i}") for i in range(4)]}, "at most 3")
         assert post(c, *[op("schedule", f"k{i}") for i in range(3)]).status_code == 200
+
+
+def test_max_ops_above_the_cell_default_is_the_brokers(broker_factory, db):
+    b = broker_factory(QUEEN_TIMERS_MAX_OPS="300")
+    with b.client() as c:
+        r = post(c, *[op("schedule", f"k{i:03d}") for i in range(257)])
+        assert r.status_code == 200, r.text
+        assert len(r.json()) == 257 and len(rows(db)) == 257
 
 
 def test_zstd_bad_frame_and_good_frame(client, db):
