@@ -1,0 +1,256 @@
+"""queen-timers benchmarks and fault drills (`make bench`, `bench/run [options]`).
+
+Starts its own throwaway PostgreSQL cluster and broker processes on
+loopback, prints every figure measured in this run, writes them to
+bench/out/results.json (and the console to bench/out/run.log), and stops
+everything it started.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import signal
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from harness import OUT, Cluster, Results, connect, load_timers, log, start_broker  # noqa: E402
+import drills  # noqa: E402
+import perf  # noqa: E402
+
+SECTIONS = ("fire", "schedule", "lag", "growth", "profile", "kill", "pgrestart", "pool")
+
+
+def machine() -> dict:
+    cpu = "unknown"
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            cpu = line.split(":", 1)[1].strip()
+            break
+    mem_kb = next((int(line.split()[1]) for line in Path("/proc/meminfo").read_text().splitlines()
+                   if line.startswith("MemTotal")), 0)
+    return {"date": subprocess.run(["date"], capture_output=True, text=True).stdout.strip(),
+            "nproc": os.cpu_count(), "memory_gib": round(mem_kb / 1024 / 1024, 1), "cpu": cpu,
+            "python": platform.python_version()}
+
+
+# -------------------------------------------------------------------------
+# Profile of the hot path
+# -------------------------------------------------------------------------
+
+def explain_fire(conn, label: str, batch: int = perf.BATCH) -> str:
+    """EXPLAIN (ANALYZE, BUFFERS) of every statement inside queen.fire_due_timers(batch),
+    through auto_explain's nested statements, in a transaction that is rolled back."""
+    notices: list[str] = []
+    conn.add_notice_handler(lambda d: notices.append(d.message_primary or ""))
+    conn.execute("BEGIN")
+    try:
+        conn.execute("LOAD 'auto_explain'")
+        for k, v in (("log_min_duration", "0"), ("log_analyze", "on"), ("log_buffers", "on"),
+                     ("log_nested_statements", "on"), ("log_timing", "on"), ("log_level", "notice")):
+            conn.execute(f"SET LOCAL auto_explain.{k} = {v}")
+        conn.execute("SELECT queen.pause_fire(false)")
+        notices.clear()
+        t0 = time.perf_counter()
+        n = conn.execute("SELECT count(*) FROM queen.fire_due_timers(%s)", (batch,)).fetchone()[0]
+        secs = time.perf_counter() - t0
+    finally:
+        conn.execute("ROLLBACK")
+    text = f"-- {label}: queen.fire_due_timers({batch}) fired {n} in {secs * 1000:.1f} ms\n" + "\n\n".join(notices)
+    return text
+
+
+def _durations(explain_text: str) -> list[tuple[float, str]]:
+    """(duration ms, first query line) of each auto_explain block."""
+    out = []
+    for block in explain_text.split("duration: ")[1:]:
+        try:
+            d = float(block.split(" ms", 1)[0])
+        except ValueError:
+            continue
+        q = block.split("Query Text:", 1)[1].strip().splitlines()[0][:90] if "Query Text:" in block else "?"
+        out.append((d, q))
+    return out
+
+
+def pyspy_available() -> str | None:
+    exe = Path(sys.executable).parent / "py-spy"
+    return str(exe) if exe.exists() else None
+
+
+def summarize_pyspy(raw: Path, top: int = 15) -> str:
+    self_t: dict[str, int] = {}
+    incl: dict[str, int] = {}
+    total = 0
+    for line in raw.read_text(errors="replace").splitlines():
+        stack, _, n = line.rpartition(" ")
+        if not n.isdigit():
+            continue
+        n = int(n)
+        total += n
+        frames = stack.split(";")
+        leaf = frames[-1]
+        self_t[leaf] = self_t.get(leaf, 0) + n
+        for f in set(frames):
+            incl[f] = incl.get(f, 0) + n
+    if not total:
+        return "py-spy: no samples"
+    lines = [f"py-spy: {total} samples of the broker process (all threads, idle included)", "top self time:"]
+    for f, n in sorted(self_t.items(), key=lambda x: -x[1])[:top]:
+        lines.append(f"  {100 * n / total:5.1f}%  {f}")
+    lines.append("top inclusive (queen_timers / psycopg frames):")
+    for f, n in sorted(((f, n) for f, n in incl.items() if "queen_timers" in f or "psycopg" in f),
+                       key=lambda x: -x[1])[:top]:
+        lines.append(f"  {100 * n / total:5.1f}%  {f}")
+    return "\n".join(lines)
+
+
+def bench_profile(url: str, broker, res, n: int) -> None:
+    log(f"\n== profile: the fire of {n} due timers (pg_stat_statements, auto_explain, py-spy) ==")
+    report = []
+    with connect(url) as conn:
+        conn.execute("SELECT queen.pause_fire()")
+        conn.execute("TRUNCATE queen.timers, queen.messages, bench.expected")
+        load_timers(conn, queue="bench-prof", n=n, prefix="pr", expected=False)
+        perf.vacuum(conn)
+        ex = explain_fire(conn, f"{n} due timers")
+        report.append(ex)
+        for d, q in _durations(ex):
+            if d >= 0.2:
+                log(f"  auto_explain {d:8.2f} ms  {q}")
+        conn.execute("SELECT pg_stat_statements_reset()")
+        spy = None
+        raw = OUT / "pyspy.raw"
+        exe = pyspy_available()
+        if exe:
+            spy = subprocess.Popen([exe, "record", "--pid", str(broker.proc.pid), "--rate", "250", "--format", "raw",
+                                    "--output", str(raw), "--duration", "120", "--nonblocking"],
+                                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+            time.sleep(1.0)
+        out = perf.fire_by_broker(conn, "bench-prof", timeout=120)
+        if spy:
+            spy.send_signal(signal.SIGINT)
+            try:
+                spy.wait(30)
+            except subprocess.TimeoutExpired:
+                spy.kill()
+                spy.wait(5)
+        rows = conn.execute("""
+            SELECT round(total_exec_time::numeric, 1), calls, round(mean_exec_time::numeric, 3),
+                   regexp_replace(left(query, 110), '\\s+', ' ', 'g')
+              FROM pg_stat_statements
+             WHERE dbid = (SELECT oid FROM pg_database WHERE datname = current_database())
+             ORDER BY total_exec_time DESC LIMIT 14""").fetchall()
+        total_db = conn.execute("""SELECT round(sum(total_exec_time)::numeric, 1) FROM pg_stat_statements
+                                    WHERE toplevel AND dbid = (SELECT oid FROM pg_database
+                                                               WHERE datname = current_database())""").fetchone()[0]
+    secs = out["first_fire_to_empty"] or 0
+    log(f"  broker fired {n} in {secs:.2f} s; top-level SQL time of this database {total_db} ms "
+        f"({float(total_db or 0) / 10 / max(secs, 1e-9):.0f}% of the wall time)")
+    report.append("-- pg_stat_statements during the broker's fire (total ms, calls, mean ms, query)")
+    for r in rows:
+        line = f"{r[0]:>10} {r[1]:>7} {r[2]:>9}  {r[3]}"
+        report.append(line)
+        log("  " + line)
+    if exe and raw.exists():
+        summary = summarize_pyspy(raw)
+        report.append(summary)
+        for line in summary.splitlines():
+            log("  " + line)
+    elif not exe:
+        log("  py-spy not installed (bench/run --profile-install installs it into .venv)")
+    (OUT / "profile.txt").write_text("\n\n".join(report))
+    res.put("profile", n=n, seconds=secs, top_sql_ms=[[float(r[0]), r[1], r[3]] for r in rows[:8]],
+            sql_total_ms=float(total_db or 0))
+    log(f"  full plans and statements: {OUT / 'profile.txt'}")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--only", default=",".join(SECTIONS), help=f"comma list of {','.join(SECTIONS)}")
+    ap.add_argument("--quick", action="store_true", help="small sizes everywhere (a smoke run of a minute or two)")
+    ap.add_argument("--fire-n", type=int, default=50000)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--sched-batches", type=int, default=100)
+    ap.add_argument("--clients", type=int, default=4)
+    ap.add_argument("--lag-rate", type=int, default=1000)
+    ap.add_argument("--lag-seconds", type=float, default=60)
+    ap.add_argument("--growth-sizes", default="10000,100000,1000000")
+    ap.add_argument("--growth-batch", type=int, default=20000)
+    ap.add_argument("--growth-lag-seconds", type=float, default=15)
+    ap.add_argument("--kills", type=int, default=100)
+    ap.add_argument("--pg-restart-seconds", type=float, default=20)
+    ap.add_argument("--pool-clients", type=int, default=48)
+    ap.add_argument("--fsync", default="on", choices=("on", "off"))
+    args = ap.parse_args()
+    if args.quick:
+        args.fire_n, args.rounds, args.sched_batches = 5000, 1, 10
+        args.lag_seconds, args.growth_sizes, args.growth_batch, args.growth_lag_seconds = 5, "10000", 2000, 3
+        args.kills, args.pg_restart_seconds, args.pool_clients = 5, 9, 16
+    only = {s.strip() for s in args.only.split(",") if s.strip()}
+    bad = only - set(SECTIONS)
+    if bad:
+        ap.error(f"unknown sections {sorted(bad)}")
+
+    res = Results()
+    m = machine()
+    t_start = time.monotonic()
+    cluster = Cluster(fsync=args.fsync)
+    broker = None
+    failed = []
+    try:
+        cluster.setup()
+        m["postgresql"] = cluster.server_version()
+        m["fsync"] = args.fsync
+        log(f"queen-timers bench: {m['date']}; {m['nproc']} cpus ({m['cpu']}), {m['memory_gib']} GiB; "
+            f"PostgreSQL {m['postgresql']} (fsync={args.fsync}); cluster {cluster.dir} port {cluster.port}")
+        res.put("machine", **m, args=vars(args))
+        url = cluster.create_db("queen_bench")
+        perf_sections = only & {"fire", "schedule", "lag", "growth", "profile"}
+        if perf_sections:
+            broker = start_broker(url, "perf")
+
+        def section(name, fn, *a, **kw):
+            if name not in only:
+                return
+            try:
+                fn(*a, **kw)
+            except Exception:  # one failed section must not hide the others' figures
+                failed.append(name)
+                log(f"  SECTION {name} FAILED:\n{traceback.format_exc()}")
+                res.put(name, error=traceback.format_exc().splitlines()[-1])
+
+        section("fire", perf.bench_fire_throughput, url, broker, res, args.fire_n, args.rounds)
+        section("schedule", perf.bench_schedule_throughput, url, broker, res, args.sched_batches, args.clients,
+                args.rounds)
+        section("lag", perf.bench_lag, url, broker, res, args.lag_rate, args.lag_seconds)
+        section("profile", bench_profile, url, broker, res, args.fire_n)
+        section("growth", perf.bench_growth, url, broker, res, [int(x) for x in args.growth_sizes.split(",")],
+                args.growth_batch, args.lag_rate, args.growth_lag_seconds,
+                profile_cb=lambda conn, size: (OUT / f"explain-pending-{size}.txt").write_text(
+                    explain_fire(conn, f"{size} pending")))
+        if broker:
+            broker.stop()
+            broker = None
+        section("kill", drills.drill_kill, cluster, res, args.kills)
+        section("pool", drills.drill_pool, cluster, res, args.pool_clients)
+        section("pgrestart", drills.drill_pg_restart, cluster, res, args.pg_restart_seconds)
+    finally:
+        if broker:
+            broker.stop()
+        cluster.destroy()
+    total = time.monotonic() - t_start
+    res.put("run", seconds=round(total), failed_sections=failed)
+    log(f"\nbench done in {total:.0f} s; figures in {OUT / 'results.json'}"
+        + (f"; FAILED sections: {', '.join(failed)}" if failed else ""))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
