@@ -1,0 +1,81 @@
+"""Encryption happens at schedule: the stored payload of a timer bound for a queue that
+encrypts at rest is Queen's envelope, and peek shows the envelope, never the plaintext."""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+
+import pytest
+import zstandard
+
+from queen_timers import payloads
+from timers_util import HINT, assert_error, b64, op, post, rows
+
+KEY_HEX = "00112233445566778899aabbccddeeff" * 2
+KEY = bytes.fromhex(KEY_HEX)
+
+
+@pytest.fixture
+def enc_client(broker_factory, db):
+    db.execute("INSERT INTO queen.queues (name, encryption_enabled) VALUES ('secret', true)")
+    with broker_factory(QUEEN_ENCRYPTION_KEY=KEY_HEX).client() as c:
+        yield c
+
+
+def test_encrypting_queue_stores_the_envelope(enc_client, db):
+    r = post(enc_client, op("schedule", "k", queue="secret", payload=b64(b"card 4242")))
+    assert r.json()[0]["status"] == "scheduled"
+    [row] = rows(db)
+    assert row["encrypted"] is True and row["payload_zstd"] is False
+    assert b"card 4242" not in row["payload"]
+    assert payloads.decrypt(KEY, row["payload"]) == b"card 4242"
+    peek = enc_client.get("/api/v1/timers/secret/k").json()
+    assert peek["encrypted"] is True and peek["payloadZstd"] is False
+    envelope = json.loads(base64.b64decode(peek["payload"]))
+    assert payloads.is_envelope(envelope)
+    assert base64.b64decode(peek["payload"]) == row["payload"]
+
+
+def test_zstd_is_inflated_before_encryption(enc_client, db):
+    packed = zstandard.ZstdCompressor().compress(b"hello " * 50)
+    post(enc_client, op("schedule", "z", queue="secret", payload=b64(packed), payloadZstd=True))
+    [row] = rows(db)
+    assert row["payload_zstd"] is False and row["encrypted"] is True
+    assert payloads.decrypt(KEY, row["payload"]) == b"hello " * 50
+
+
+def test_reschedule_encrypts_too_and_other_queues_do_not(enc_client, db):
+    post(enc_client, op("schedule", "k", queue="secret"), op("schedule", "k", queue="plain"))
+    post(enc_client, op("reschedule", "k", queue="secret", payload=b64(b"v2")))
+    by_queue = {r["queue"]: r for r in rows(db)}
+    assert payloads.decrypt(KEY, by_queue["secret"]["payload"]) == b"v2"
+    assert by_queue["plain"]["encrypted"] is False
+    assert by_queue["plain"]["payload"] == b'{"kind":"day7"}'
+
+
+@pytest.mark.parametrize("value", [True, False])
+def test_client_encrypted_field_is_refused_for_an_encrypting_queue(enc_client, db, value):
+    r = post(enc_client, op("schedule", "k", queue="secret", encrypted=value))
+    body = assert_error(r, 400, "timers_bad_request")
+    assert "encrypted" in body["detail"]
+    assert rows(db) == []
+
+
+def test_client_encrypted_true_is_stored_as_given_for_a_plain_queue(client, db):
+    sealed = payloads.encrypt(os.urandom(32), b"client-side")
+    post(client, op("schedule", "k", payload=b64(sealed), encrypted=True))
+    [row] = rows(db)
+    assert row["encrypted"] is True and row["payload"] == sealed
+
+
+def test_encrypting_queue_without_a_key_is_403_feature_gated(client, db):
+    db.execute("INSERT INTO queen.queues (name, encryption_enabled) VALUES ('secret', true)")
+    r = post(client, op("schedule", "k", queue="secret"), op("schedule", "k", queue="plain"))
+    body = assert_error(r, 403, "feature_gated")
+    assert "QUEEN_ENCRYPTION_KEY" in body["detail"]
+    assert r.headers["x-queen-timers-hint"] == HINT
+    assert rows(db) == []
+    # cancels into that queue are unaffected
+    assert post(client, op("cancel", "k", queue="secret")).json()[0]["status"] == "absent"
