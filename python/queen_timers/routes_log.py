@@ -11,6 +11,7 @@ is always the exact bytes.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 import uuid
@@ -22,7 +23,7 @@ from starlette.routing import Route
 
 from . import payloads
 from .auth import READ_ONLY, READ_WRITE
-from .errors import ApiError, bad_request
+from .errors import ApiError, bad_request, from_exception
 
 QUEUE_MODE = "__QUEUE_MODE__"
 ACK_STATUSES = ("completed", "success", "failed", "dlq", "retry")
@@ -40,6 +41,22 @@ def iso_us(value: datetime | None) -> str | None:
     if value is None:
         return None
     return value.astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+@contextlib.asynccontextmanager
+async def _conn(request: Request):
+    """A pooled connection; database errors with a meaning (QT* SQLSTATEs,
+    capacity) become ApiError here, so the response is an ordinary one."""
+    try:
+        async with request.app.state.pool.connection() as conn:
+            yield conn
+    except ApiError:
+        raise
+    except Exception as exc:
+        mapped = from_exception(exc)
+        if mapped is None:
+            raise
+        raise mapped from None
 
 
 def _s(value) -> str | None:
@@ -118,7 +135,7 @@ async def configure(request: Request) -> JSONResponse:
         options = {}
     if not isinstance(options, dict):
         raise bad_request("options must be an object")
-    async with request.app.state.pool.connection() as conn:
+    async with _conn(request) as conn:
         cur = await conn.execute(
             "SELECT * FROM queen.configure_queue(%s, %s, %s, %s::jsonb)",
             (queue, namespace, task, json.dumps(options)))
@@ -159,7 +176,7 @@ async def push(request: Request) -> JSONResponse:
     if not parsed:
         return JSONResponse([], status_code=201)
 
-    async with request.app.state.pool.connection() as conn:
+    async with _conn(request) as conn:
         encrypted: set[str] = set()
         if settings.encryption_key is not None:
             cur = await conn.execute("SELECT queen.encrypted_queues(%s::text[]) AS name",
@@ -211,7 +228,7 @@ async def pop(request: Request) -> Response:
     deadline = time.monotonic() + timeout_ms / 1000
     sleep = 0.05
     while True:
-        async with request.app.state.pool.connection() as conn:
+        async with _conn(request) as conn:
             cur = await conn.execute("SELECT * FROM queen.pop_messages(%s, %s, %s, %s, %s)",
                                      (queue, partition, group, batch, auto_ack))
             rows = await cur.fetchall()
@@ -272,7 +289,7 @@ def _parse_ack(obj: object, where: str, default_group: str | None) -> tuple:
 async def _ack(request: Request, acks: list[tuple]) -> list[dict]:
     if not acks:
         return []
-    async with request.app.state.pool.connection() as conn:
+    async with _conn(request) as conn:
         cur = await conn.execute(
             """SELECT * FROM queen.ack_messages(
                    ARRAY(SELECT ROW(x.t, x.p, x.s, x.e, x.l, x.g)::queen.ack_item
@@ -316,7 +333,7 @@ async def get_message(request: Request) -> JSONResponse:
         partition_id = uuid.UUID(request.path_params["partitionId"])
     except ValueError:
         return JSONResponse({"error": "Message not found"}, status_code=404)
-    async with request.app.state.pool.connection() as conn:
+    async with _conn(request) as conn:
         cur = await conn.execute("SELECT * FROM queen.get_message(%s, %s)",
                                  (partition_id, request.path_params["transactionId"]))
         r = await cur.fetchone()
@@ -348,7 +365,7 @@ async def list_dlq(request: Request) -> JSONResponse:
     limit = _int_param(request, "limit", 100, 1, 1000)
     offset = _int_param(request, "offset", 0, 0, 2**31 - 1)
     # `partition`, `from` and `to` are ignored, as Queen's dlq route does
-    async with request.app.state.pool.connection() as conn:
+    async with _conn(request) as conn:
         cur = await conn.execute("SELECT * FROM queen.list_dlq(%s, %s, %s, %s)", (queue, group, limit, offset))
         rows = await cur.fetchall()
         cur = await conn.execute("SELECT queen.count_dlq(%s, %s) AS total", (queue, group))
@@ -375,7 +392,7 @@ async def replay_dlq(request: Request) -> JSONResponse:
         dlq_id = uuid.UUID(request.path_params["id"])
     except ValueError:
         raise ApiError(404, "not_found", "no DLQ entry with that id (it is not a UUID)") from None
-    async with request.app.state.pool.connection() as conn:
+    async with _conn(request) as conn:
         cur = await conn.execute("SELECT queen.replay_dlq_entry(%s) AS message_id", (dlq_id,))
         row = await cur.fetchone()
     return JSONResponse({"replayed": True, "dlqId": str(dlq_id), "messageId": str(row["message_id"])})
