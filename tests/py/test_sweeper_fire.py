@@ -167,3 +167,19 @@ def test_prometheus_exposes_the_families(sdb, sweeper_broker):
     assert ("queen_timers_dlq_moves_total", ()) in s
     assert ("queen_timers_claims_lost_total", ()) in s
     assert sample(s, "queen_timers_pending") == 1
+
+
+def test_sweeper_reconnects_when_its_connections_are_terminated(sdb, sweeper_broker):
+    b = sweeper_broker(QUEEN_BROKER_ID="phoenix", QUEEN_SWEEPER_MAX_SLEEP_MS=300)
+    schedule(sdb, [timer("rc", "before", 0, b"1")])
+    wait_until(lambda: timer_count(sdb) == 0, 10, message="first fire")
+    killed = sdb.execute("""SELECT count(*) FILTER (WHERE pg_terminate_backend(pid)) AS n FROM pg_stat_activity
+                             WHERE application_name LIKE 'queen-sweeper%:phoenix'""").fetchone()["n"]
+    assert killed == 2  # the fire connection and the LISTEN connection
+    schedule(sdb, [timer("rc", "after", 0, b"2"), timer("rc", "after-z", 200, b"3", compressed=True)])
+    wait_until(lambda: timer_count(sdb) == 0, 15, message="fire after reconnecting")
+    assert sorted(m["txn"] for m in messages(sdb)) == ["txn-rc-after", "txn-rc-after-z", "txn-rc-before"]
+    assert b.alive()
+    wait_until(lambda: sdb.execute("""SELECT count(*) AS n FROM pg_stat_activity
+                                       WHERE application_name LIKE 'queen-sweeper%:phoenix'""").fetchone()["n"] == 2,
+               10, message="both sweeper connections back")
