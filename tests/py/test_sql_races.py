@@ -1,0 +1,151 @@
+"""Two sessions racing on one timer row, against a real PostgreSQL.
+
+The claim (FOR UPDATE SKIP LOCKED) and the cancel (FOR UPDATE) meet on the
+row lock: a cancel that arrives while a claim holds the row waits for it and
+then answers too_late; a claim that arrives while a cancel holds the row
+passes over it. "Waits" is observed in pg_stat_activity (the backend is
+blocked on a Lock), never inferred from elapsed time.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import psycopg
+import pytest
+
+SCHEDULE = """
+SELECT status FROM queen.schedule_timers('acme', ARRAY[
+    ROW('schedule', 'races', %s, -1000, 'txn-' || %s, '\\x6869'::bytea, NULL, NULL, NULL, NULL)::queen.timer_op])
+"""
+
+
+def schedule(db, key: str) -> None:
+    assert db.execute(SCHEDULE, (key, key)).fetchone()["status"] == "scheduled"
+
+
+def pid_of(conn: psycopg.Connection) -> int:
+    return conn.info.backend_pid
+
+
+def wait_until_blocked_on_lock(db, pid: int, deadline_s: float = 30.0) -> None:
+    """Poll until backend `pid` is waiting on a heavyweight lock."""
+    deadline = time.monotonic() + deadline_s
+    while time.monotonic() < deadline:
+        row = db.execute("SELECT wait_event_type FROM pg_stat_activity WHERE pid = %s", (pid,)).fetchone()
+        if row and row["wait_event_type"] == "Lock":
+            return
+        time.sleep(0.02)
+    pytest.fail(f"backend {pid} never blocked on a lock")
+
+
+class Background:
+    """Run one statement on its own connection in a thread; keep its result or error."""
+
+    def __init__(self, conn: psycopg.Connection, sql: str, params=()):
+        self.conn, self.sql, self.params = conn, sql, params
+        self.result = None
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self):
+        try:
+            self.result = self.conn.execute(self.sql, self.params).fetchall()
+        except BaseException as exc:  # noqa: BLE001 - handed to the test
+            self.error = exc
+
+    def join(self):
+        self.thread.join(timeout=60)
+        assert not self.thread.is_alive(), "the background statement never returned"
+        if self.error:
+            raise self.error
+        return self.result
+
+
+@pytest.fixture
+def sessions(database_url, db):
+    """Two extra sessions (transactions left to the test), closed at teardown."""
+    a = psycopg.connect(database_url)
+    b = psycopg.connect(database_url, autocommit=True)
+    yield a, b
+    for conn in (a, b):
+        conn.close()
+
+
+def test_cancel_waits_for_a_claim_then_answers_too_late(db, sessions):
+    claimer, canceller = sessions
+    schedule(db, "k")
+    claimed = claimer.execute("SELECT timer_key FROM queen.claim_timers('b1', 10, 60000)").fetchall()
+    assert claimed == [("k",)]  # claim transaction still open: it holds the row lock
+
+    cancel = Background(canceller, "SELECT queen.cancel_timer('acme', 'races', 'k')")
+    wait_until_blocked_on_lock(db, pid_of(canceller))
+    assert cancel.thread.is_alive()
+    claimer.commit()
+
+    assert cancel.join() == [("too_late",)]
+    row = db.execute("SELECT claimed_by, lease_until > now() AS held FROM queen.timers WHERE timer_key = 'k'").fetchone()
+    assert row == {"claimed_by": "b1", "held": True}
+
+
+def test_cancel_waiting_on_a_claim_that_rolls_back_cancels(db, sessions):
+    claimer, canceller = sessions
+    schedule(db, "k")
+    assert claimer.execute("SELECT timer_key FROM queen.claim_timers('b1', 10, 60000)").fetchall() == [("k",)]
+
+    cancel = Background(canceller, "SELECT queen.cancel_timer('acme', 'races', 'k')")
+    wait_until_blocked_on_lock(db, pid_of(canceller))
+    claimer.rollback()  # the broker died before committing its claim
+
+    assert cancel.join() == [("cancelled",)]
+    assert db.execute("SELECT count(*) AS n FROM queen.timers").fetchone()["n"] == 0
+
+
+def test_batch_cancel_waits_for_a_claim_then_answers_too_late(db, sessions):
+    claimer, canceller = sessions
+    schedule(db, "k")
+    assert claimer.execute("SELECT timer_key FROM queen.claim_timers('b1', 10, 60000)").fetchall() == [("k",)]
+
+    cancel = Background(canceller, """
+        SELECT status, ok FROM queen.schedule_timers('acme', ARRAY[
+            ROW('cancel', 'races', 'k', NULL, NULL, NULL, NULL, NULL, NULL, NULL)::queen.timer_op])""")
+    wait_until_blocked_on_lock(db, pid_of(canceller))
+    claimer.commit()
+
+    assert cancel.join() == [("too_late", False)]
+
+
+def test_claim_skips_a_row_a_cancel_holds(db, sessions):
+    claimer, canceller = sessions
+    schedule(db, "k")
+    schedule(db, "other")
+    canceller.autocommit = False
+    assert canceller.execute("SELECT queen.cancel_timer('acme', 'races', 'k')").fetchall() == [("cancelled",)]
+    # the cancel is not committed: it holds the row. A claim must pass over it, not wait:
+    claimer.execute("SET lock_timeout = '10s'")
+    claimed = claimer.execute("SELECT timer_key FROM queen.claim_timers('b1', 10, 60000)").fetchall()
+    assert claimed == [("other",)]
+    assert claimer.execute("SELECT count(*) FROM queen.fire_due_timers(10)").fetchone() == (0,)
+    claimer.commit()
+
+    canceller.commit()
+    assert db.execute("SELECT timer_key FROM queen.timers").fetchall() == [{"timer_key": "other"}]
+    assert db.execute("SELECT count(*) AS n FROM queen.claim_timers('b2', 10, 60000)").fetchone()["n"] == 0
+
+
+def test_two_claims_take_disjoint_rows(db, sessions):
+    first, second = sessions
+    second.autocommit = False
+    for key in ("k1", "k2", "k3"):
+        schedule(db, key)
+    a = [r[0] for r in first.execute("SELECT timer_key FROM queen.claim_timers('b1', 2, 60000)").fetchall()]
+    b = [r[0] for r in second.execute("SELECT timer_key FROM queen.claim_timers('b2', 10, 60000)").fetchall()]
+    assert len(a) == 2 and len(b) == 1
+    assert set(a) | set(b) == {"k1", "k2", "k3"}
+    first.commit()
+    second.commit()
+    owners = db.execute("SELECT timer_key, claimed_by FROM queen.timers ORDER BY timer_key").fetchall()
+    assert {r["claimed_by"] for r in owners if r["timer_key"] in a} == {"b1"}
+    assert {r["claimed_by"] for r in owners if r["timer_key"] in b} == {"b2"}
