@@ -99,6 +99,25 @@ CREATE TYPE queen.timer_view AS (
 -- Functions
 -- ---------------------------------------------------------------------
 
+-- One queen.timer_op with named arguments, so a batch is writable by
+-- hand in psql: queen.make_timer_op('cancel', 'reminders', 'k').
+CREATE FUNCTION queen.make_timer_op(
+    p_op           text,
+    p_queue        text,
+    p_timer_key    text,
+    p_delay_ms     bigint  DEFAULT NULL,
+    p_txn          text    DEFAULT NULL,
+    p_payload      bytea   DEFAULT NULL,
+    p_partition    text    DEFAULT NULL,
+    p_payload_zstd boolean DEFAULT NULL,
+    p_encrypted    boolean DEFAULT NULL,
+    p_raw_size     integer DEFAULT NULL)
+RETURNS queen.timer_op
+LANGUAGE sql IMMUTABLE AS $$
+    SELECT ROW(p_op, p_queue, p_timer_key, p_delay_ms, p_txn, p_payload, p_partition,
+               p_payload_zstd, p_encrypted, p_raw_size)::queen.timer_op
+$$;
+
 -- The single definition of "in somebody's hands".
 -- STABLE, not IMMUTABLE: with p_now NULL it reads now(), which must
 -- never be folded into a cached plan.

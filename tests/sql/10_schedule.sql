@@ -1,7 +1,7 @@
 -- schedule_timers / cancel_timer: every verdict, the upsert's resets,
 -- deliver_at from PostgreSQL's clock, metering and the pending counter.
 BEGIN;
-SELECT plan(55);
+SELECT plan(56);
 
 -- Helpers (pg_temp, gone with the transaction). The clock is pinned at T0.
 CREATE FUNCTION pg_temp.t0() RETURNS timestamptz LANGUAGE sql AS $$ SELECT '2030-01-01 00:00:00+00'::timestamptz $$;
@@ -136,6 +136,11 @@ SELECT is(queen.cancel_timer('acme', 'q1', 'past', pg_temp.t0() + interval '3 se
 
 -- ---------------------------------------------------------------- empty batch
 SELECT is((SELECT count(*) FROM pg_temp.sched('{}')), 0::bigint, 'an empty batch answers nothing');
+
+-- ---------------------------------------------------------------- make_timer_op (psql convenience)
+SELECT is(queen.make_timer_op('schedule', 'q', 'k', p_delay_ms => 5, p_txn => 't', p_payload => '\x01', p_partition => 'p'),
+          ROW('schedule', 'q', 'k', 5, 't', '\x01'::bytea, 'p', NULL, NULL, NULL)::queen.timer_op,
+          'make_timer_op builds a timer_op with named arguments');
 
 SELECT * FROM finish();
 ROLLBACK;
