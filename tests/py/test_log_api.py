@@ -318,3 +318,22 @@ def test_access_levels_and_producer_sub_from_the_credential(broker_factory, db):
         assert msg["producerSub"] == "billing"
         r = client.post("/api/v1/dlq/00000000-0000-0000-0000-000000000000/replay", headers=_token("read-only"))
         assert r.status_code == 403
+
+
+def test_concurrent_pops_hand_a_partition_to_exactly_one_consumer(broker, db):
+    from concurrent.futures import ThreadPoolExecutor
+
+    with broker.client() as client:
+        push(client, *({"queue": "race", "payload": i, "transactionId": f"r{i}"} for i in range(3)))
+
+    def one_pop(_):
+        with broker.client() as c:
+            r = c.get("/api/v1/pop/queue/race", params={"batch": 3})
+            return r.status_code, (r.json()["messages"] if r.status_code == 200 else [])
+
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(one_pop, range(4)))
+    winners = [msgs for status, msgs in results if status == 200]
+    assert len(winners) == 1, results
+    assert [m["transactionId"] for m in winners[0]] == ["r0", "r1", "r2"]
+    assert sorted(status for status, _ in results) == [200, 204, 204, 204]
