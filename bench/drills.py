@@ -17,7 +17,7 @@ import psycopg
 import zstandard
 from psycopg.types.composite import CompositeInfo, register_composite
 
-from harness import (Cluster, connect, fate, log, start_broker, wait_healthy, wait_until)
+from harness import (Cluster, connect, fate, log, metric_sum, start_broker, wait_healthy, wait_until)
 
 
 def _report(res, section: str, f: dict, **extra) -> None:
@@ -99,8 +99,13 @@ def drill_kill(cluster: Cluster, res, kills: int, lease_ms: int = 1500) -> None:
             wait_until(lambda: conn.execute("SELECT count(*) FROM queen.timers").fetchone()[0] == 0,
                        lease_ms / 1000 + 60, 0.2)
             f = fate(conn)
+        dup = sum(metric_sum(x.metrics(), "queen_timers_fired_total", outcome="duplicate") or 0 for x in (a, b))
+        lost_claims = sum(metric_sum(x.metrics(), "queen_timers_claims_lost_total") or 0 for x in (a, b))
+        log(f"  surviving brokers' counters: fires deduped by the log (outcome=duplicate) {dup:.0f}, "
+            f"claims lost {lost_claims:.0f}")
         log(f"  {kills} kills ({mid} caught A in a statement or transaction), {feeder.sent} timers scheduled")
-        _report(res, "drill_kill", f, kills=kills, kills_mid_statement=mid, feeder_errors=feeder.errors)
+        _report(res, "drill_kill", f, kills=kills, kills_mid_statement=mid, feeder_errors=feeder.errors,
+                surviving_dedupe_hits=dup, surviving_claims_lost=lost_claims)
     finally:
         feeder.stop_evt.set()
         a.stop()

@@ -147,6 +147,23 @@ class Broker:
         return None
 
 
+def metric_sum(text: str | None, name: str, **labels: str) -> float | None:
+    """Sum of a Prometheus series in an exposition text (None when absent)."""
+    if not text:
+        return None
+    total, seen = 0.0, False
+    for line in text.splitlines():
+        if not line.startswith(name) or line.startswith("#"):
+            continue
+        series, _, value = line.rpartition(" ")
+        if series.split("{", 1)[0] != name:
+            continue
+        if all(f'{k}="{v}"' in series for k, v in labels.items()):
+            total += float(value)
+            seen = True
+    return total if seen else None
+
+
 _broker_seq = 0
 
 

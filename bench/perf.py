@@ -6,6 +6,7 @@ import asyncio
 import base64
 import json
 import random
+import signal
 import threading
 import time
 
@@ -13,7 +14,7 @@ import httpx
 import psycopg
 from psycopg.types.composite import CompositeInfo, register_composite
 
-from harness import (Broker, connect, exists_pending, lag_stats, load_timers, log, ms, pct, reset,
+from harness import (Broker, connect, start_broker, exists_pending, lag_stats, load_timers, log, ms, pct, reset,
                      wait_until)
 
 BATCH = 256  # the sweeper's default batch (QUEEN_SWEEPER_BATCH)
@@ -100,8 +101,24 @@ def bench_fire_throughput(url: str, broker: Broker, res, n: int, rounds: int) ->
     best: dict[str, float] = {}
     with connect(url) as conn:
         for r in range(rounds):
-            for method in ("bare_single", "bare_batched", "sql_function", "broker"):
-                if method == "broker":
+            for method in ("bare_single", "bare_batched", "sql_function", "broker", "broker_b1024"):
+                if method == "broker_b1024":
+                    # the same fire by a broker with QUEEN_SWEEPER_BATCH=1024 (the main broker stopped)
+                    conn.execute("SELECT queen.pause_fire()")
+                    _reload(conn, q, n, "f")
+                    other = start_broker(url, "b1024", QUEEN_SWEEPER_BATCH=1024)
+                    broker.proc.send_signal(signal.SIGSTOP)
+                    try:
+                        out = fire_by_broker(conn, q, timeout=max(60, n / 500))
+                    finally:
+                        conn.execute("SELECT queen.pause_fire()")
+                        broker.proc.send_signal(signal.SIGCONT)
+                        other.stop()
+                    if not out["drained"]:
+                        continue
+                    secs = out["first_fire_to_empty"]
+                    log(f"  round {r + 1} broker batch 1024: {n / secs:9.0f} timers/s ({secs:.2f} s from first fire txn)")
+                elif method == "broker":
                     conn.execute("SELECT queen.pause_fire()")
                     _reload(conn, q, n, "f")
                     out = fire_by_broker(conn, q, timeout=max(60, n / 500))
@@ -130,6 +147,9 @@ def bench_fire_throughput(url: str, broker: Broker, res, n: int, rounds: int) ->
                 log(f"  ratio broker / {base}: {best['broker'] / best[base]:.2f} (target >= 0.8)")
         if "sql_function" in best:
             log(f"  ratio broker / sql_function: {best['broker'] / best['sql_function']:.2f}")
+        if "broker_b1024" in best and "bare_batched" in best:
+            log(f"  ratio broker (QUEEN_SWEEPER_BATCH=1024) / bare_batched: "
+                f"{best['broker_b1024'] / best['bare_batched']:.2f}")
     res.put("fire_throughput", n=n, rounds=rounds, best_rates_per_s={k: round(v) for k, v in best.items()},
             ratio_vs_bare_single=round(best["broker"] / best["bare_single"], 3) if "broker" in best else None,
             ratio_vs_bare_batched=round(best["broker"] / best["bare_batched"], 3) if "broker" in best else None,
