@@ -63,9 +63,13 @@ def _s(value) -> str | None:
     return None if value is None else str(value)
 
 
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not JSON")
+
+
 async def _json_body(request: Request) -> dict:
     try:
-        body = json.loads(await request.body() or b"null")
+        body = json.loads(await request.body() or b"null", parse_constant=_no_constant)
     except ValueError:
         raise bad_request("the body is not valid JSON") from None
     if not isinstance(body, dict):
@@ -405,7 +409,7 @@ routes = [
     Route("/api/v1/pop/queue/{queue}/partition/{partition}", pop, methods=["GET"]),
     Route("/api/v1/ack", ack, methods=["POST"]),
     Route("/api/v1/ack/batch", ack_batch, methods=["POST"]),
-    Route("/api/v1/messages/{partitionId}/{transactionId}", get_message, methods=["GET"]),
+    Route("/api/v1/messages/{partitionId}/{transactionId:path}", get_message, methods=["GET"]),
     Route("/api/v1/dlq", list_dlq, methods=["GET"]),
     Route("/api/v1/dlq/{id}/replay", replay_dlq, methods=["POST"]),
 ]

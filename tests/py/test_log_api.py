@@ -134,6 +134,13 @@ def test_push_bad_shape_is_400_and_writes_nothing(client, db, body):
     assert counts(db) == {"messages": 0, "queues": 0}
 
 
+def test_push_of_a_non_json_constant_is_400(client, db):
+    r = client.post("/api/v1/push", content=b'{"items": [{"queue": "q", "payload": NaN}]}',
+                    headers={"Content-Type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"] == "timers_bad_request"
+    assert counts(db)["messages"] == 0
+
+
 def test_configure_bad_input_is_400(client, db):
     for body in ({}, {"queue": ""}, {"queue": "q", "options": []},
                  {"queue": "q", "options": {"leaseTime": "long"}},
@@ -210,6 +217,9 @@ def test_message_lookup_and_ack_of_unknown_message(client, db):
     pid = out[0]["partition_id"]
     r = client.get(f"/api/v1/messages/{pid}/order:42%20v1")
     assert r.status_code == 200 and r.json()["transactionId"] == "order:42 v1" and r.json()["data"] == "p"
+    push(client, {"queue": "look", "payload": 7, "transactionId": "tenant/42"})
+    r = client.get(f"/api/v1/messages/{pid}/tenant/42")
+    assert r.status_code == 200 and r.json()["data"] == 7
     r = client.get(f"/api/v1/messages/{pid}/nope")
     assert r.status_code == 404 and r.json() == {"error": "Message not found"}
     r = client.get("/api/v1/messages/not-a-uuid/nope")
