@@ -149,3 +149,49 @@ def test_two_claims_take_disjoint_rows(db, sessions):
     owners = db.execute("SELECT timer_key, claimed_by FROM queen.timers ORDER BY timer_key").fetchall()
     assert {r["claimed_by"] for r in owners if r["timer_key"] in a} == {"b1"}
     assert {r["claimed_by"] for r in owners if r["timer_key"] in b} == {"b2"}
+
+
+def test_concurrent_batches_cannot_overshoot_the_quota(db, sessions):
+    """Both batches pass the quota rung on the committed counter; the second
+    re-checks under the counter row's lock and is refused whole."""
+    first, second = sessions
+    second.autocommit = False
+    db.execute("INSERT INTO queen.plans (plan, max_pending_timers) VALUES ('tiny', 1)")
+    db.execute("INSERT INTO queen.tenants (tenant, plan) VALUES ('acme', 'tiny')")
+    one = """SELECT status FROM queen.schedule_timers('acme', ARRAY[
+                ROW('schedule', 'races', %s, 60000, 't', '\\x00'::bytea, NULL, NULL, NULL, NULL)::queen.timer_op],
+                p_tenancy => true)"""
+    assert first.execute(one, ("k1",)).fetchall() == [("scheduled",)]  # not committed: holds the counter row
+    late = Background(second, one, ("k2",))
+    wait_until_blocked_on_lock(db, pid_of(second))
+    first.commit()
+    with pytest.raises(psycopg.Error) as refused:
+        late.join()
+    assert refused.value.sqlstate == "QTQUO"
+    second.rollback()
+    rows = db.execute("SELECT timer_key FROM queen.timers").fetchall()
+    assert rows == [{"timer_key": "k1"}]
+    usage = db.execute("SELECT pending_timers, billed_messages FROM queen.tenant_usage WHERE tenant = 'acme'").fetchone()
+    assert usage == {"pending_timers": 1, "billed_messages": 1}
+
+
+def test_a_mixed_batch_takes_the_counter_row_last(db, sessions):
+    """A batch that cancels one key and then waits on another must not hold
+    the tenant's counter row meanwhile, or the batch holding that other key
+    deadlocks with it when it meters."""
+    other, mixed = sessions
+    schedule(db, "a")
+    schedule(db, "b")
+    # `other` is a batch half-way through: it holds row b and has not metered yet
+    assert other.execute("SELECT 1 FROM queen.timers WHERE timer_key = 'b' FOR UPDATE").fetchall() == [(1,)]
+    batch = Background(mixed, """
+        SELECT timer_key, status FROM queen.schedule_timers('acme', ARRAY[
+            ROW('cancel', 'races', 'a', NULL, NULL, NULL, NULL, NULL, NULL, NULL)::queen.timer_op,
+            ROW('reschedule', 'races', 'b', 1000, 'b2', '\\x00'::bytea, NULL, NULL, NULL, NULL)::queen.timer_op])""")
+    wait_until_blocked_on_lock(db, pid_of(mixed))
+    other.execute("SET lock_timeout = '10s'")
+    other.execute("SELECT queen.bump_tenant_usage('acme', 0, 1)")  # the other batch meters: must not wait
+    other.commit()
+    assert batch.join() == [("a", "cancelled"), ("b", "rescheduled")]
+    usage = db.execute("SELECT pending_timers, billed_messages FROM queen.tenant_usage WHERE tenant = 'acme'").fetchone()
+    assert usage == {"pending_timers": 1, "billed_messages": 4}
