@@ -5,6 +5,8 @@ from __future__ import annotations
 import contextlib
 import logging
 
+import psycopg
+from psycopg_pool import PoolTimeout
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse
@@ -24,11 +26,12 @@ async def api_error(request: Request, exc: ApiError) -> JSONResponse:
     return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
 
-async def unexpected_error(request: Request, exc: Exception) -> JSONResponse:
+async def database_error(request: Request, exc: Exception) -> JSONResponse:
+    """Database failures a route did not map itself (capacity -> 503, QT* -> their status)."""
     mapped = from_exception(exc)
     if mapped is not None:
         return await api_error(request, mapped)
-    log.exception("unhandled error on %s %s", request.method, request.url.path)
+    log.exception("unexpected database error on %s %s", request.method, request.url.path)
     return JSONResponse({"error": "internal_error"}, status_code=500)
 
 
@@ -64,7 +67,10 @@ def create_app(settings: Settings | None = None) -> Starlette:
     app = Starlette(
         routes=[Route("/health", health, methods=["GET"]),
                 *routes_timers.routes, *routes_log.routes, *routes_ops.routes],
-        exception_handlers={ApiError: api_error, Exception: unexpected_error},
+        # Handlers keyed by class run in ExceptionMiddleware and keep the connection
+        # alive; anything else is a bug and reaches ServerErrorMiddleware as a 500.
+        exception_handlers={ApiError: api_error, psycopg.Error: database_error,
+                            PoolTimeout: database_error},
         lifespan=lifespan,
     )
     app.state.settings = settings

@@ -160,27 +160,57 @@ def start_broker(database_url: str, log_dir: Path, **env: str) -> Broker:
     raise RuntimeError(f"broker did not become healthy:\n{broker.log()}")
 
 
-@pytest.fixture(scope="session")
-def _broker_cache(database_url, tmp_path_factory):
-    cache: dict[tuple, Broker] = {}
-    log_dir = tmp_path_factory.mktemp("brokers")
+class BrokerCache:
+    """Brokers shared across tests, one per distinct environment.
 
-    def get(**env) -> Broker:
+    Every broker sweeps the one test database, so a broker left running from
+    an earlier test would fire the timers of the current one. Only the
+    brokers the current test asked for run during it: asking for one stops
+    the others, and a test that asks for none gets none (see _quiet_brokers).
+    """
+
+    def __init__(self, database_url: str, log_dir: Path):
+        self.database_url = database_url
+        self.log_dir = log_dir
+        self.brokers: dict[tuple, Broker] = {}
+        self.in_use: set[tuple] = set()
+
+    def get(self, **env) -> Broker:
         key = tuple(sorted((k, str(v)) for k, v in env.items()))
-        broker = cache.get(key)
+        self.in_use.add(key)
+        self.stop(keep=self.in_use)
+        broker = self.brokers.get(key)
         if broker is None or not broker.alive():
-            broker = cache[key] = start_broker(database_url, log_dir, **env)
+            broker = self.brokers[key] = start_broker(self.database_url, self.log_dir, **env)
         return broker
 
-    yield get
-    for broker in cache.values():
-        broker.kill(signal.SIGTERM)
+    def stop(self, keep: set[tuple] = frozenset()) -> None:
+        for key in [k for k in self.brokers if k not in keep]:
+            self.brokers.pop(key).kill(signal.SIGTERM)
+
+
+@pytest.fixture(scope="session")
+def _broker_cache(database_url, tmp_path_factory):
+    cache = BrokerCache(database_url, tmp_path_factory.mktemp("brokers"))
+    yield cache
+    cache.stop()
+
+
+@pytest.fixture(autouse=True)
+def _quiet_brokers(request):
+    """Start each test with no shared broker it did not ask for."""
+    if "db" in request.fixturenames:
+        cache = request.getfixturevalue("_broker_cache")
+        cache.in_use = set()
+        if not {"broker", "client", "broker_factory"} & set(request.fixturenames):
+            cache.stop()
+    yield
 
 
 @pytest.fixture
 def broker_factory(db, _broker_cache):
     """broker_factory(**QUEEN_env) -> a shared broker with that environment, over a clean db."""
-    return _broker_cache
+    return _broker_cache.get
 
 
 @pytest.fixture
@@ -195,9 +225,10 @@ def client(broker):
 
 
 @pytest.fixture
-def spawn_broker(db, database_url, tmp_path):
+def spawn_broker(db, database_url, tmp_path, _broker_cache):
     """spawn_broker(**env) -> a private broker, stopped (or already killed) at teardown."""
     started: list[Broker] = []
+    _broker_cache.stop(keep=_broker_cache.in_use)
 
     def spawn(**env) -> Broker:
         b = start_broker(database_url, tmp_path, **env)
