@@ -8,7 +8,6 @@ import threading
 import time
 
 import psycopg
-import pytest
 
 from timers_util import HINT, assert_error, op, post, rows
 
