@@ -191,8 +191,10 @@ END
 $$;
 
 -- Take p_ops tokens from the tenant's bucket or raise QTRAT with the
--- seconds until enough have refilled. Runs inside the caller's
--- transaction: a batch refused by a later rung gives its tokens back.
+-- seconds until enough have refilled. A batch larger than the burst
+-- passes on a full bucket and leaves it in debt (else it could never
+-- pass). Runs inside the caller's transaction: a batch refused by a
+-- later rung gives its tokens back.
 CREATE FUNCTION queen.take_rate_tokens(
     p_tenant text,
     p_ops    integer,
@@ -218,7 +220,7 @@ BEGIN
             refilled_at = greatest(b.refilled_at, v_now)
     RETURNING tokens INTO v_tokens;
 
-    IF v_tokens < p_ops THEN
+    IF v_tokens < least(p_ops, v_burst) THEN
         v_wait := ceil((least(p_ops, v_burst) - v_tokens) / p_rate);
         RAISE EXCEPTION 'rate_limited'
             USING ERRCODE = 'QTRAT',
@@ -496,18 +498,41 @@ CREATE TYPE queen.timer_view AS (
 -- Functions
 -- ---------------------------------------------------------------------
 
+-- One queen.timer_op with named arguments, so a batch is writable by
+-- hand in psql: queen.make_timer_op('cancel', 'reminders', 'k').
+CREATE FUNCTION queen.make_timer_op(
+    p_op           text,
+    p_queue        text,
+    p_timer_key    text,
+    p_delay_ms     bigint  DEFAULT NULL,
+    p_txn          text    DEFAULT NULL,
+    p_payload      bytea   DEFAULT NULL,
+    p_partition    text    DEFAULT NULL,
+    p_payload_zstd boolean DEFAULT NULL,
+    p_encrypted    boolean DEFAULT NULL,
+    p_raw_size     integer DEFAULT NULL)
+RETURNS queen.timer_op
+LANGUAGE sql IMMUTABLE AS $$
+    SELECT ROW(p_op, p_queue, p_timer_key, p_delay_ms, p_txn, p_payload, p_partition,
+               p_payload_zstd, p_encrypted, p_raw_size)::queen.timer_op
+$$;
+
 -- The single definition of "in somebody's hands".
+-- STABLE, not IMMUTABLE: with p_now NULL it reads now(), which must
+-- never be folded into a cached plan.
 CREATE FUNCTION queen.timer_is_claimed(p_lease_until timestamptz, p_now timestamptz DEFAULT NULL)
 RETURNS boolean
-LANGUAGE sql IMMUTABLE AS $$
+LANGUAGE sql STABLE AS $$
     SELECT p_lease_until IS NOT NULL AND p_lease_until > coalesce(p_now, now())
 $$;
 
--- Remove one timer unless a broker holds it. Takes the row lock first,
--- so a cancel racing a claim waits for the claim and then answers
--- too_late, and a claim (SKIP LOCKED) passes over a row being cancelled.
--- Returns cancelled | absent | too_late and keeps the pending counter.
-CREATE FUNCTION queen.cancel_timer(
+-- Internal: delete one timer unless a broker holds it, without touching
+-- the tenant's counters (schedule_timers meters a whole batch at once,
+-- after its row locks, so two batches cannot deadlock on the counter row).
+-- Takes the row lock first, so a cancel racing a claim waits for the
+-- claim and then answers too_late, and a claim (SKIP LOCKED) passes over
+-- a row being cancelled. Returns cancelled | absent | too_late.
+CREATE FUNCTION queen.delete_unclaimed_timer(
     p_tenant    text,
     p_queue     text,
     p_timer_key text,
@@ -534,8 +559,27 @@ BEGIN
     END IF;
     DELETE FROM queen.timers
      WHERE tenant = p_tenant AND queue = p_queue AND timer_key = p_timer_key;
-    PERFORM queen.bump_tenant_usage(p_tenant, -1, 0);
     RETURN 'cancelled';
+END
+$$;
+
+-- Cancel one timer (DELETE /api/v1/timers/:queue/*timerKey): passes no
+-- rung of the gate ladder. Returns cancelled | absent | too_late;
+-- absent also for another tenant's key. Keeps the pending counter.
+CREATE FUNCTION queen.cancel_timer(
+    p_tenant    text,
+    p_queue     text,
+    p_timer_key text,
+    p_now       timestamptz DEFAULT NULL)
+RETURNS text
+LANGUAGE plpgsql AS $$
+DECLARE
+    v_status text := queen.delete_unclaimed_timer(p_tenant, p_queue, p_timer_key, p_now);
+BEGIN
+    IF v_status = 'cancelled' THEN
+        PERFORM queen.bump_tenant_usage(p_tenant, -1, 0);
+    END IF;
+    RETURN v_status;
 END
 $$;
 
@@ -676,19 +720,24 @@ $$;
 -- upsert of a claimed row answers too_late and changes nothing. Each
 -- accepted upsert mints a new message id, resets attempts, clears the
 -- last error and is billed one message; cancels bill nothing.
--- Rows are touched in (queue, timer_key) order so that concurrent
--- batches cannot deadlock each other.
+-- Rows are touched in (queue, timer_key) order and the counter row last,
+-- so that concurrent batches cannot deadlock each other. p_max_ops is
+-- the broker's QUEEN_TIMERS_MAX_OPS (NULL: the cell's).
 CREATE FUNCTION queen.schedule_timers(
     p_tenant       text,
     p_ops          queen.timer_op[],
     p_producer_sub text        DEFAULT NULL,
     p_horizon_ms   bigint      DEFAULT NULL,
     p_tenancy      boolean     DEFAULT NULL,
-    p_now          timestamptz DEFAULT NULL)
+    p_now          timestamptz DEFAULT NULL,
+    p_max_ops      integer     DEFAULT NULL)
 RETURNS SETOF queen.timer_verdict
 LANGUAGE plpgsql AS $$
 DECLARE
     v_now      timestamptz := coalesce(p_now, now());
+    l          queen.tenant_limits;
+    v_at       timestamptz;
+    v_count    bigint;
     v_out      queen.timer_verdict[] := '{}';
     v          queen.timer_verdict;
     o          record;
@@ -705,8 +754,8 @@ BEGIN
     IF p_ops IS NULL OR cardinality(p_ops) = 0 THEN
         RETURN;
     END IF;
-    PERFORM queen.check_timer_ops(p_ops);
-    PERFORM queen.check_timer_gates(p_tenant, p_ops, p_horizon_ms, p_tenancy, v_now);
+    PERFORM queen.check_timer_ops(p_ops, p_max_ops);
+    l := queen.check_timer_gates(p_tenant, p_ops, p_horizon_ms, p_tenancy, v_now);
 
     FOR o IN
         SELECT x.*, x.n::integer AS ordinal
@@ -716,17 +765,23 @@ BEGIN
     LOOP
         v := ROW(o.ordinal, o.op, false, NULL, o.queue, o.timer_key, o.txn, NULL, NULL);
         IF o.op = 'cancel' THEN
-            v_status := queen.cancel_timer(p_tenant, o.queue, o.timer_key, v_now);
+            v_status := queen.delete_unclaimed_timer(p_tenant, o.queue, o.timer_key, v_now);
             v.status := v_status;
             v.ok := v_status = 'cancelled';
+            IF v.ok THEN
+                v_pending := v_pending - 1;
+            END IF;
         ELSE
             v_msg_id := queen.uuid_v7();
             v_txn := coalesce(nullif(o.txn, ''), queen.uuid_v7()::text);
+            -- a delay in the past is due at once; clamped so that no
+            -- negative delayMs can overflow the timestamp
+            v_at := v_now + greatest(o.delay_ms, -l.horizon_ms) * interval '1 millisecond';
             INSERT INTO queen.timers AS t
                    (tenant, queue, timer_key, partition, deliver_at, txn, message_id, payload,
                     payload_zstd, encrypted, producer_sub, created_at, updated_at)
             VALUES (p_tenant, o.queue, o.timer_key, coalesce(o.partition, 'Default'),
-                    v_now + o.delay_ms * interval '1 millisecond', v_txn, v_msg_id, o.payload,
+                    v_at, v_txn, v_msg_id, o.payload,
                     coalesce(o.payload_zstd, false), coalesce(o.encrypted, false), p_producer_sub,
                     v_now, v_now)
             ON CONFLICT (tenant, queue, timer_key) DO UPDATE
@@ -747,7 +802,7 @@ BEGIN
                 v.status := CASE WHEN v_inserted THEN 'scheduled' ELSE 'rescheduled' END;
                 v.txn := v_txn;
                 v.message_id := v_msg_id;
-                v.deliver_at := v_now + o.delay_ms * interval '1 millisecond';
+                v.deliver_at := v_at;
                 v_billed := v_billed + 1;
                 IF v_inserted THEN
                     v_pending := v_pending + 1;
@@ -760,6 +815,17 @@ BEGIN
     IF v_pending <> 0 OR v_billed <> 0 THEN
         PERFORM queen.bump_tenant_usage(p_tenant, v_pending, v_billed);
     END IF;
+    -- The quota rung read the counter without a lock; re-check it under
+    -- the counter row's lock so that concurrent batches cannot overshoot.
+    IF l.max_pending_timers IS NOT NULL AND v_pending > 0 THEN
+        SELECT pending_timers INTO v_count FROM queen.tenant_usage WHERE tenant = p_tenant;
+        IF v_count > l.max_pending_timers THEN
+            RAISE EXCEPTION 'timers_quota_exceeded'
+                USING ERRCODE = 'QTQUO',
+                      DETAIL = format('tenant %s would have %s pending timers of %s',
+                                      p_tenant, v_count, l.max_pending_timers);
+        END IF;
+    END IF;
     -- Wake sweepers whose next planned wake-up is later than this.
     PERFORM pg_notify('queen_timers', extract(epoch FROM min(x.deliver_at))::text)
        FROM unnest(v_out) x WHERE x.deliver_at IS NOT NULL HAVING min(x.deliver_at) IS NOT NULL;
@@ -769,6 +835,8 @@ END
 $$;
 
 -- One timer as peek shows it; no row when there is none (for this tenant).
+-- Key columns are handed out with the declared (default) collation: an
+-- inlined SQL function would otherwise leak the column's "C" collation.
 CREATE FUNCTION queen.peek_timer(
     p_tenant    text,
     p_queue     text,
@@ -776,7 +844,7 @@ CREATE FUNCTION queen.peek_timer(
     p_now       timestamptz DEFAULT NULL)
 RETURNS SETOF queen.timer_view
 LANGUAGE sql STABLE AS $$
-    SELECT tenant, queue, timer_key, partition, deliver_at, txn, message_id, payload, payload_zstd,
+    SELECT tenant, queue, timer_key COLLATE "default", partition, deliver_at, txn, message_id, payload, payload_zstd,
            encrypted, producer_sub, attempts, last_error,
            queen.timer_is_claimed(lease_until, coalesce(p_now, now())), created_at, updated_at
       FROM queen.timers
@@ -824,10 +892,10 @@ LANGUAGE sql STABLE AS $$
                max(timer_key) FILTER (WHERE rn = (SELECT n FROM lim)) AS last_key
           FROM page
     )
-    SELECT p.timer_key, p.partition, p.deliver_at, p.txn, p.message_id, p.payload_zstd, p.encrypted,
+    SELECT p.timer_key COLLATE "default", p.partition, p.deliver_at, p.txn, p.message_id, p.payload_zstd, p.encrypted,
            p.producer_sub, p.attempts, p.last_error,
            queen.timer_is_claimed(p.lease_until, coalesce(p_now, now())), p.created_at, p.updated_at,
-           f.truncated, CASE WHEN f.truncated THEN f.last_key END
+           f.truncated, CASE WHEN f.truncated THEN f.last_key END COLLATE "default"
       FROM page p, flags f
      WHERE p.rn <= (SELECT n FROM lim)
      ORDER BY p.timer_key COLLATE "C"
@@ -928,8 +996,9 @@ BEGIN
     PERFORM queen.lock_partition(d.queue, d.partition)
        FROM (SELECT DISTINCT r.queue, r.partition FROM unnest(p_rows) r ORDER BY 1, 2) d;
 
-    PERFORM queen.bump_tenant_usage(r.tenant, -count(*), 0)
-       FROM unnest(p_rows) r GROUP BY r.tenant;
+    -- Counter rows in tenant order: two fires never wait on each other crosswise.
+    PERFORM queen.bump_tenant_usage(g.tenant, -g.n, 0)
+       FROM (SELECT r.tenant, count(*) AS n FROM unnest(p_rows) r GROUP BY r.tenant ORDER BY r.tenant) g;
 
     RETURN QUERY
     WITH src AS (
@@ -937,7 +1006,8 @@ BEGIN
           FROM unnest(p_rows) r
           JOIN queen.queues q ON q.name = r.queue
           JOIN queen.partitions p ON p.queue_id = q.id AND p.name = r.partition
-          LEFT JOIN unnest(p_frames) f
+          LEFT JOIN (SELECT DISTINCT ON (x.tenant, x.queue, x.timer_key) x.*
+                       FROM unnest(p_frames) x) f
                  ON f.tenant = r.tenant AND f.queue = r.queue AND f.timer_key = r.timer_key
     ), ins AS (
         INSERT INTO queen.messages (id, transaction_id, partition_id, payload, is_encrypted, producer_sub)
@@ -955,9 +1025,10 @@ BEGIN
 END
 $$;
 
--- Claim up to p_limit due timers for p_lease_ms, in expiry order,
--- skipping rows another session holds. A row whose lease expired (its
--- broker died) is due again. Nothing is claimed while the fire is paused.
+-- Claim up to p_limit due timers for p_lease_ms, in expiry order (and
+-- returned in it), skipping rows another session holds. A row whose
+-- lease expired (its broker died) is due again. Nothing is claimed
+-- while the fire is paused.
 CREATE FUNCTION queen.claim_timers(
     p_broker   text,
     p_limit    integer     DEFAULT 100,
@@ -981,14 +1052,19 @@ BEGIN
          ORDER BY t.deliver_at
          LIMIT greatest(p_limit, 0)
            FOR UPDATE SKIP LOCKED
+    ), claimed AS (
+        UPDATE queen.timers t
+           SET claim_id = v_claim, claimed_by = p_broker,
+               lease_until = v_now + greatest(p_lease_ms, 1) * interval '1 millisecond'
+          FROM due
+         WHERE (t.tenant, t.queue, t.timer_key) = (due.tenant, due.queue, due.timer_key)
+        RETURNING t.tenant, t.queue, t.timer_key, t.partition, t.deliver_at, t.lease_until,
+                  t.txn, t.message_id, t.payload, t.payload_zstd, t.encrypted, t.attempts
     )
-    UPDATE queen.timers t
-       SET claim_id = v_claim, claimed_by = p_broker,
-           lease_until = v_now + greatest(p_lease_ms, 1) * interval '1 millisecond'
-      FROM due
-     WHERE (t.tenant, t.queue, t.timer_key) = (due.tenant, due.queue, due.timer_key)
-    RETURNING v_claim, t.tenant, t.queue, t.timer_key, t.partition, t.deliver_at, t.lease_until,
-              t.txn, t.message_id, t.payload, t.payload_zstd, t.encrypted, t.attempts;
+    SELECT v_claim, c.tenant, c.queue, c.timer_key::text, c.partition, c.deliver_at, c.lease_until,
+           c.txn, c.message_id, c.payload, c.payload_zstd, c.encrypted, c.attempts
+      FROM claimed c
+     ORDER BY c.deliver_at, c.message_id;
 END
 $$;
 
@@ -1037,6 +1113,10 @@ $$;
 -- lease is needed and a broker dying mid-call loses nothing (the
 -- transaction rolls back). Used for every due timer whose frame needs
 -- nothing from the broker (no zstd to inflate). Expiry order, SKIP LOCKED.
+-- The common case is one statement with a plain INSERT (no join back from
+-- the log, no ON CONFLICT arbiter: together they halved the fire rate);
+-- a txn already in its partition raises unique_violation, and the batch
+-- is redone through append_timer_frames, which answers 'duplicate'.
 CREATE FUNCTION queen.fire_due_timers(
     p_limit integer     DEFAULT 100,
     p_now   timestamptz DEFAULT NULL)
@@ -1044,30 +1124,74 @@ RETURNS SETOF queen.fire_result
 LANGUAGE plpgsql AS $$
 DECLARE
     v_now  timestamptz := coalesce(p_now, now());
+    v_out  queen.fire_result[];
     v_rows queen.timers[];
 BEGIN
     IF (queen.get_cell_settings()).fire_paused THEN
         RETURN;
     END IF;
-    WITH due AS (
-        SELECT t.tenant, t.queue, t.timer_key
-          FROM queen.timers t
-         WHERE t.deliver_at <= v_now
-           AND NOT t.payload_zstd
-           AND NOT queen.timer_is_claimed(t.lease_until, v_now)
-         ORDER BY t.deliver_at
-         LIMIT greatest(p_limit, 0)
-           FOR UPDATE SKIP LOCKED
-    ), gone AS (
-        DELETE FROM queen.timers t USING due d
-         WHERE (t.tenant, t.queue, t.timer_key) = (d.tenant, d.queue, d.timer_key)
-        RETURNING t.*
-    )
-    SELECT array_agg(gone) INTO v_rows FROM gone;
-
-    IF v_rows IS NOT NULL THEN
-        RETURN QUERY SELECT * FROM queen.append_timer_frames(v_rows, NULL);
+    BEGIN
+        WITH due AS (
+            SELECT t.tenant, t.queue, t.timer_key
+              FROM queen.timers t
+             WHERE t.deliver_at <= v_now
+               AND NOT t.payload_zstd
+               AND NOT queen.timer_is_claimed(t.lease_until, v_now)
+             ORDER BY t.deliver_at
+             LIMIT greatest(p_limit, 0)
+               FOR UPDATE SKIP LOCKED
+        ), gone AS (
+            DELETE FROM queen.timers t USING due d
+             WHERE t.tenant = d.tenant AND t.queue = d.queue AND t.timer_key = d.timer_key
+            RETURNING t.*
+        ), parts AS (
+            -- every destination partition locked, in a fixed order, before a row
+            -- joined to it can be appended (see queen.messages.seq)
+            SELECT x.queue, x.partition, queen.lock_partition(x.queue, x.partition) AS partition_id
+              FROM (SELECT DISTINCT g.queue, g.partition FROM gone g ORDER BY 1, 2) x
+        ), src AS (
+            SELECT g.*, p.partition_id
+              FROM gone g JOIN parts p ON p.queue = g.queue AND p.partition = g.partition
+        ), ins AS (
+            INSERT INTO queen.messages (id, transaction_id, partition_id, payload, is_encrypted, producer_sub)
+            SELECT s.message_id, s.txn, s.partition_id, s.payload, s.encrypted, s.producer_sub
+              FROM src s
+             ORDER BY s.deliver_at, s.message_id
+        )
+        SELECT array_agg(ROW(s.tenant, s.queue, s.timer_key, 'fired', s.message_id, s.partition_id,
+                             s.deliver_at, clock_timestamp())::queen.fire_result
+                         ORDER BY s.deliver_at, s.message_id)
+          INTO v_out
+          FROM src s;
+    EXCEPTION WHEN unique_violation THEN
+        v_out := NULL;
+        WITH due AS (
+            SELECT t.tenant, t.queue, t.timer_key
+              FROM queen.timers t
+             WHERE t.deliver_at <= v_now
+               AND NOT t.payload_zstd
+               AND NOT queen.timer_is_claimed(t.lease_until, v_now)
+             ORDER BY t.deliver_at
+             LIMIT greatest(p_limit, 0)
+               FOR UPDATE SKIP LOCKED
+        ), gone AS (
+            DELETE FROM queen.timers t USING due d
+             WHERE (t.tenant, t.queue, t.timer_key) = (d.tenant, d.queue, d.timer_key)
+            RETURNING t.*
+        )
+        SELECT array_agg(gone) INTO v_rows FROM gone;
+        IF v_rows IS NOT NULL THEN
+            RETURN QUERY SELECT * FROM queen.append_timer_frames(v_rows, NULL);
+        END IF;
+        RETURN;
+    END;
+    IF v_out IS NULL THEN
+        RETURN;
     END IF;
+    -- Counter rows in tenant order: two fires never wait on each other crosswise.
+    PERFORM queen.bump_tenant_usage(g.tenant, -g.n, 0)
+       FROM (SELECT o.tenant, count(*) AS n FROM unnest(v_out) o GROUP BY o.tenant ORDER BY o.tenant) g;
+    RETURN QUERY SELECT * FROM unnest(v_out);
 END
 $$;
 
@@ -1167,4 +1291,655 @@ BEGIN
     DELETE FROM queen.dead_letter_queue WHERE id = p_dlq_id;
     RETURN v_id;
 END
+$$;
+-- =====================================================================
+-- Part 50: the log API behind Queen's routes (configure, push, pop,
+-- ack, message detail, DLQ list). Shapes follow Queen MQ; the cursor is
+-- messages.seq (append order inside a partition, see 20_log.sql).
+--
+-- Consumer state per (partition, consumer group) lives in
+-- queen.partition_consumers: last_consumed_seq is the cursor, and
+-- lease_id / lease_expires_at a partition-level lease taken by pop and
+-- released when the batch is acked, failed, retried or expires.
+-- =====================================================================
+
+-- ---------------------------------------------------------------------
+-- Types
+-- ---------------------------------------------------------------------
+
+-- One item of POST /api/v1/push. payload is the bytes to store (the
+-- compact JSON of the item's payload, or its encryption envelope).
+CREATE TYPE queen.push_item AS (
+    queue           text,
+    partition       text,       -- NULL: 'Default'
+    transaction_id  text,       -- NULL or '': a random UUID is generated
+    trace_id        uuid,
+    payload         bytea,
+    is_encrypted    boolean
+);
+
+-- One verdict per pushed item, in input order.
+CREATE TYPE queen.push_result AS (
+    idx             integer,    -- 0-based input position
+    transaction_id  text,
+    status          text,       -- queued | duplicate
+    message_id      uuid,       -- the new row, or the existing one for a duplicate
+    partition_id    uuid,
+    trace_id        uuid,
+    queue_name      text
+);
+
+-- One message handed out by pop.
+CREATE TYPE queen.popped_message AS (
+    message_id        uuid,
+    seq               bigint,
+    transaction_id    text,
+    trace_id          uuid,
+    payload           bytea,
+    is_encrypted      boolean,
+    producer_sub      text,
+    created_at        timestamptz,
+    queue             text,
+    partition_id      uuid,
+    partition         text,
+    lease_id          uuid,       -- NULL with auto-ack
+    consumer_group    text,
+    lease_expires_at  timestamptz
+);
+
+-- One acknowledgement of POST /api/v1/ack and /api/v1/ack/batch.
+CREATE TYPE queen.ack_item AS (
+    transaction_id  text,
+    partition_id    uuid,
+    status          text,       -- completed (default) | success | failed | dlq | retry
+    error           text,
+    lease_id        text,       -- checked only when non-empty
+    consumer_group  text        -- NULL or '': '__QUEUE_MODE__'
+);
+
+-- One verdict per acknowledgement, in input order.
+CREATE TYPE queen.ack_result AS (
+    idx             integer,    -- 0-based input position
+    transaction_id  text,
+    success         boolean,
+    error           text,       -- NULL | 'Message not found' | 'Invalid or expired lease'
+    queue_name      text,
+    partition_name  text,
+    lease_released  boolean,
+    dlq             boolean
+);
+
+-- A message as GET /api/v1/messages/:partitionId/:transactionId shows it.
+CREATE TYPE queen.message_detail AS (
+    message_id        uuid,
+    transaction_id    text,
+    partition_id      uuid,
+    queue             text,
+    partition         text,
+    namespace         text,
+    task              text,
+    status            text,     -- dead_letter | completed | processing | pending
+    payload           bytea,
+    is_encrypted      boolean,
+    trace_id          uuid,
+    producer_sub      text,
+    created_at        timestamptz,
+    error_message     text,
+    retry_count       integer,
+    lease_expires_at  timestamptz,
+    queue_config      jsonb,    -- {leaseTime, retryLimit, retryDelay, ttl, priority}
+    mode              jsonb,    -- {hasQueueMode, busGroupsCount, consumedByGroups, type}
+    consumer_groups   jsonb     -- [{name, consumed, processing, lastConsumedSeq, leaseExpiresAt}]
+);
+
+-- One dead letter as GET /api/v1/dlq lists it.
+CREATE TYPE queen.dlq_entry AS (
+    dlq_id          uuid,
+    message_id      uuid,
+    transaction_id  text,
+    partition_id    uuid,
+    queue           text,
+    partition       text,
+    consumer_group  text,
+    error_message   text,
+    retry_count     integer,
+    payload         bytea,
+    is_encrypted    boolean,
+    producer_sub    text,
+    created_at      timestamptz,
+    failed_at       timestamptz
+);
+
+-- ---------------------------------------------------------------------
+-- Functions
+-- ---------------------------------------------------------------------
+
+-- A queue's 15 effective options, camelCase, as configure echoes them.
+CREATE FUNCTION queen.queue_options(q queen.queues)
+RETURNS jsonb
+LANGUAGE sql IMMUTABLE AS $$
+    SELECT jsonb_build_object(
+        'leaseTime', q.lease_time, 'retryLimit', q.retry_limit, 'retryDelay', q.retry_delay,
+        'maxSize', q.max_size, 'ttl', q.ttl, 'priority', q.priority,
+        'delayedProcessing', q.delayed_processing, 'windowBuffer', q.window_buffer,
+        'retentionSeconds', q.retention_seconds, 'completedRetentionSeconds', q.completed_retention_seconds,
+        'retentionEnabled', q.retention_enabled, 'encryptionEnabled', q.encryption_enabled,
+        'deadLetterQueue', q.dead_letter_queue, 'dlqAfterMaxRetries', q.dlq_after_max_retries,
+        'maxWaitTimeSeconds', q.max_wait_time_seconds)
+$$;
+
+-- Create or overwrite a queue by name (Queen's configure): every option
+-- is set, a missing one back to its default; unknown keys are dropped.
+-- Ensures the 'Default' partition. Bad option types raise QTBAD.
+CREATE FUNCTION queen.configure_queue(
+    p_queue     text,
+    p_namespace text  DEFAULT NULL,
+    p_task      text  DEFAULT NULL,
+    p_options   jsonb DEFAULT NULL)
+RETURNS TABLE (queue_id uuid, partition_id uuid, queue_name text, namespace text, task text, options jsonb)
+LANGUAGE plpgsql AS $$
+#variable_conflict use_column
+DECLARE
+    o      jsonb := coalesce(p_options, '{}'::jsonb);
+    q      queen.queues;
+    v_part uuid;
+    v_key  text;
+BEGIN
+    IF p_queue IS NULL OR p_queue = '' THEN
+        RAISE EXCEPTION 'timers_bad_request' USING ERRCODE = 'QTBAD', DETAIL = 'queue is required';
+    END IF;
+    IF jsonb_typeof(o) <> 'object' THEN
+        RAISE EXCEPTION 'timers_bad_request' USING ERRCODE = 'QTBAD', DETAIL = 'options must be an object';
+    END IF;
+    -- JSON null means "absent" (default); anything else must have the right type.
+    SELECT e.key INTO v_key FROM jsonb_each(o) e
+     WHERE jsonb_typeof(e.value) <> 'null'
+       AND ((e.key IN ('leaseTime', 'retryLimit', 'retryDelay', 'maxSize', 'ttl', 'priority',
+                       'delayedProcessing', 'windowBuffer', 'retentionSeconds',
+                       'completedRetentionSeconds', 'maxWaitTimeSeconds')
+             AND NOT (jsonb_typeof(e.value) = 'number' AND e.value::text ~ '^[0-9]{1,9}$'))
+         OR (e.key IN ('retentionEnabled', 'encryptionEnabled', 'deadLetterQueue', 'dlqAfterMaxRetries')
+             AND jsonb_typeof(e.value) <> 'boolean'))
+     ORDER BY e.key LIMIT 1;
+    IF v_key IS NOT NULL THEN
+        RAISE EXCEPTION 'timers_bad_request' USING ERRCODE = 'QTBAD',
+            DETAIL = format('options.%s must be a %s', v_key,
+                            CASE WHEN v_key IN ('retentionEnabled', 'encryptionEnabled', 'deadLetterQueue',
+                                                'dlqAfterMaxRetries')
+                                 THEN 'boolean' ELSE 'non-negative integer below 10^9' END);
+    END IF;
+    o := jsonb_strip_nulls(o);
+
+    INSERT INTO queen.queues AS t
+           (name, namespace, task, lease_time, retry_limit, retry_delay, max_size, ttl, priority,
+            delayed_processing, window_buffer, retention_seconds, completed_retention_seconds,
+            retention_enabled, encryption_enabled, dead_letter_queue, dlq_after_max_retries,
+            max_wait_time_seconds)
+    VALUES (p_queue, p_namespace, p_task,
+            coalesce((o->>'leaseTime')::integer, 300),
+            coalesce((o->>'retryLimit')::integer, 3),
+            coalesce((o->>'retryDelay')::integer, 1000),
+            coalesce((o->>'maxSize')::integer, 0),
+            coalesce((o->>'ttl')::integer, 3600),
+            coalesce((o->>'priority')::integer, 0),
+            coalesce((o->>'delayedProcessing')::integer, 0),
+            coalesce((o->>'windowBuffer')::integer, 0),
+            coalesce((o->>'retentionSeconds')::integer, 0),
+            coalesce((o->>'completedRetentionSeconds')::integer, 0),
+            coalesce((o->>'retentionEnabled')::boolean, false),
+            coalesce((o->>'encryptionEnabled')::boolean, false),
+            coalesce((o->>'deadLetterQueue')::boolean, false),
+            coalesce((o->>'dlqAfterMaxRetries')::boolean, false),
+            coalesce((o->>'maxWaitTimeSeconds')::integer, 0))
+    ON CONFLICT (name) DO UPDATE
+       SET namespace = EXCLUDED.namespace, task = EXCLUDED.task,
+           lease_time = EXCLUDED.lease_time, retry_limit = EXCLUDED.retry_limit,
+           retry_delay = EXCLUDED.retry_delay, max_size = EXCLUDED.max_size, ttl = EXCLUDED.ttl,
+           priority = EXCLUDED.priority, delayed_processing = EXCLUDED.delayed_processing,
+           window_buffer = EXCLUDED.window_buffer, retention_seconds = EXCLUDED.retention_seconds,
+           completed_retention_seconds = EXCLUDED.completed_retention_seconds,
+           retention_enabled = EXCLUDED.retention_enabled,
+           encryption_enabled = EXCLUDED.encryption_enabled,
+           dead_letter_queue = EXCLUDED.dead_letter_queue,
+           dlq_after_max_retries = EXCLUDED.dlq_after_max_retries,
+           max_wait_time_seconds = EXCLUDED.max_wait_time_seconds,
+           updated_at = now()
+    RETURNING t.* INTO q;
+
+    INSERT INTO queen.partitions AS p (queue_id, name) VALUES (q.id, 'Default')
+    ON CONFLICT ON CONSTRAINT partitions_queue_name_unique DO NOTHING;
+    SELECT p.id INTO v_part FROM queen.partitions p WHERE p.queue_id = q.id AND p.name = 'Default';
+
+    RETURN QUERY SELECT q.id, v_part, q.name, q.namespace, q.task, queen.queue_options(q);
+END
+$$;
+
+-- The names among p_queues whose queue encrypts at rest (push asks
+-- before building payloads: the broker holds the key, not PostgreSQL).
+CREATE FUNCTION queen.encrypted_queues(p_queues text[])
+RETURNS SETOF text
+LANGUAGE sql STABLE AS $$
+    SELECT q.name FROM queen.queues q WHERE q.name = ANY (p_queues) AND q.encryption_enabled
+$$;
+
+-- Append a batch to the log, one verdict per item in input order. A
+-- transaction id already in the partition (or earlier in the batch) is
+-- 'duplicate' with the existing message id, never an error. Destination
+-- partitions are locked first, in (queue, partition) order, as the fire does.
+CREATE FUNCTION queen.push_messages(
+    p_items        queen.push_item[],
+    p_producer_sub text DEFAULT NULL)
+RETURNS SETOF queen.push_result
+LANGUAGE plpgsql AS $$
+DECLARE
+    it       record;
+    r        queen.push_result;
+    v_msg    text;
+    v_part   uuid;
+    v_id     uuid;
+    v_txn    text;
+BEGIN
+    IF p_items IS NULL OR cardinality(p_items) = 0 THEN
+        RETURN;
+    END IF;
+    SELECT CASE
+             WHEN x.queue IS NULL OR x.queue = '' THEN format('items[%s]: queue is required', x.n - 1)
+             WHEN x.partition = '' THEN format('items[%s]: partition may not be empty', x.n - 1)
+             ELSE format('items[%s]: payload is required', x.n - 1)
+           END INTO v_msg
+      FROM unnest(p_items) WITH ORDINALITY AS x(queue, partition, transaction_id, trace_id, payload, is_encrypted, n)
+     WHERE x.queue IS NULL OR x.queue = '' OR x.partition = '' OR x.payload IS NULL
+     ORDER BY x.n LIMIT 1;
+    IF v_msg IS NOT NULL THEN
+        RAISE EXCEPTION 'timers_bad_request' USING ERRCODE = 'QTBAD', DETAIL = v_msg;
+    END IF;
+
+    PERFORM queen.lock_partition(d.queue, d.partition)
+       FROM (SELECT DISTINCT x.queue, coalesce(x.partition, 'Default') AS partition
+               FROM unnest(p_items) x ORDER BY 1, 2) d;
+
+    FOR it IN
+        SELECT x.*, (x.n - 1)::integer AS idx
+          FROM unnest(p_items) WITH ORDINALITY AS x(queue, partition, transaction_id, trace_id, payload, is_encrypted, n)
+         ORDER BY x.n
+    LOOP
+        v_part := queen.lock_partition(it.queue, coalesce(it.partition, 'Default'));  -- already held: a lookup
+        v_txn := coalesce(nullif(it.transaction_id, ''), gen_random_uuid()::text);
+        v_id := queen.uuid_v7();
+        INSERT INTO queen.messages (id, transaction_id, trace_id, partition_id, payload, is_encrypted, producer_sub)
+        VALUES (v_id, v_txn, it.trace_id, v_part, it.payload, coalesce(it.is_encrypted, false), p_producer_sub)
+        ON CONFLICT (partition_id, transaction_id) DO NOTHING;
+        IF FOUND THEN
+            r := ROW(it.idx, v_txn, 'queued', v_id, v_part, it.trace_id, it.queue);
+        ELSE
+            SELECT m.id INTO v_id FROM queen.messages m WHERE m.partition_id = v_part AND m.transaction_id = v_txn;
+            r := ROW(it.idx, v_txn, 'duplicate', v_id, v_part, NULL, it.queue);
+        END IF;
+        RETURN NEXT r;
+    END LOOP;
+END
+$$;
+
+-- Lease one partition of p_queue for a consumer group and hand out up to
+-- p_batch messages after its cursor, in seq order. p_partition NULL: any
+-- partition with available messages, least recently served first.
+-- Partitions whose lease is unexpired, or whose consumer row another pop
+-- holds (SKIP LOCKED), are passed over. p_auto_ack moves the cursor now.
+CREATE FUNCTION queen.pop_messages(
+    p_queue          text,
+    p_partition      text        DEFAULT NULL,
+    p_consumer_group text        DEFAULT '__QUEUE_MODE__',
+    p_batch          integer     DEFAULT 1,
+    p_auto_ack       boolean     DEFAULT false,
+    p_now            timestamptz DEFAULT NULL)
+RETURNS SETOF queen.popped_message
+LANGUAGE plpgsql AS $$
+DECLARE
+    v_now     timestamptz := coalesce(p_now, now());
+    v_group   text := coalesce(nullif(p_consumer_group, ''), '__QUEUE_MODE__');
+    v_batch   integer := least(greatest(coalesce(p_batch, 1), 1), 10000);
+    v_lease   uuid := gen_random_uuid();
+    v_expires timestamptz;
+    q         queen.queues;
+    c         record;
+    pc        queen.partition_consumers;
+    v_last    bigint;
+    v_n       integer;
+BEGIN
+    SELECT * INTO q FROM queen.queues WHERE name = p_queue;
+    IF NOT FOUND THEN
+        RETURN;
+    END IF;
+    v_expires := v_now + make_interval(secs => CASE WHEN q.lease_time > 0 THEN q.lease_time ELSE 60 END);
+
+    FOR c IN
+        SELECT p.id, p.name, x.partition_id IS NULL AS no_row
+          FROM queen.partitions p
+          LEFT JOIN queen.partition_consumers x ON x.partition_id = p.id AND x.consumer_group = v_group
+         WHERE p.queue_id = q.id
+           AND (p_partition IS NULL OR p.name = p_partition)
+           AND (x.lease_expires_at IS NULL OR x.lease_expires_at <= v_now)
+           AND EXISTS (SELECT 1 FROM queen.messages m
+                        WHERE m.partition_id = p.id AND m.seq > coalesce(x.last_consumed_seq, 0))
+         ORDER BY x.updated_at NULLS FIRST, p.created_at, p.id
+    LOOP
+        IF c.no_row THEN
+            INSERT INTO queen.partition_consumers (partition_id, consumer_group) VALUES (c.id, v_group)
+            ON CONFLICT (partition_id, consumer_group) DO NOTHING;
+        END IF;
+        SELECT * INTO pc FROM queen.partition_consumers
+         WHERE partition_id = c.id AND consumer_group = v_group
+           FOR UPDATE SKIP LOCKED;
+        CONTINUE WHEN NOT FOUND;
+        CONTINUE WHEN pc.lease_expires_at IS NOT NULL AND pc.lease_expires_at > v_now;
+
+        SELECT max(s.seq), count(*) INTO v_last, v_n
+          FROM (SELECT m.seq FROM queen.messages m
+                 WHERE m.partition_id = c.id AND m.seq > pc.last_consumed_seq
+                 ORDER BY m.seq LIMIT v_batch) s;
+        CONTINUE WHEN v_n = 0;
+
+        IF p_auto_ack THEN
+            UPDATE queen.partition_consumers
+               SET last_consumed_seq = v_last, lease_id = NULL, lease_expires_at = NULL,
+                   batch_size = 0, acked_count = 0, batch_retry_count = 0, batch_last_seq = NULL,
+                   updated_at = v_now
+             WHERE partition_id = c.id AND consumer_group = v_group;
+        ELSE
+            UPDATE queen.partition_consumers
+               SET lease_id = v_lease, lease_expires_at = v_expires, batch_size = v_n,
+                   acked_count = 0, batch_last_seq = v_last, updated_at = v_now
+             WHERE partition_id = c.id AND consumer_group = v_group;
+        END IF;
+
+        RETURN QUERY
+        SELECT m.id, m.seq, m.transaction_id, m.trace_id, m.payload, m.is_encrypted, m.producer_sub,
+               m.created_at, q.name, c.id, c.name,
+               CASE WHEN p_auto_ack THEN NULL ELSE v_lease END, v_group,
+               CASE WHEN p_auto_ack THEN NULL ELSE v_expires END
+          FROM queen.messages m
+         WHERE m.partition_id = c.id AND m.seq > pc.last_consumed_seq AND m.seq <= v_last
+         ORDER BY m.seq;
+        RETURN;
+    END LOOP;
+END
+$$;
+
+-- Acknowledge messages, one verdict per item in input order (processed
+-- in partition, group, seq order). completed moves the cursor; failed
+-- releases the lease for a redelivery of the batch until the queue's
+-- retry_limit, then dead-letters the message and moves past it; dlq
+-- dead-letters at once; retry only releases the lease. A message at or
+-- behind the cursor is already consumed: acking it again changes nothing.
+CREATE FUNCTION queen.ack_messages(
+    p_acks queen.ack_item[],
+    p_now  timestamptz DEFAULT NULL)
+RETURNS SETOF queen.ack_result
+LANGUAGE plpgsql AS $$
+DECLARE
+    v_now    timestamptz := coalesce(p_now, now());
+    a        record;
+    pc       queen.partition_consumers;
+    r        queen.ack_result;
+    v_out    queen.ack_result[] := '{}';
+    v_msg    text;
+    v_status text;
+    v_limit  integer;
+    v_acked  integer;
+    v_done   boolean;
+BEGIN
+    IF p_acks IS NULL OR cardinality(p_acks) = 0 THEN
+        RETURN;
+    END IF;
+    SELECT CASE
+             WHEN x.transaction_id IS NULL OR x.transaction_id = '' THEN format('acknowledgments[%s]: transactionId is required', x.n - 1)
+             WHEN x.partition_id IS NULL THEN format('acknowledgments[%s]: partitionId is required', x.n - 1)
+             ELSE format('acknowledgments[%s]: unknown status %L', x.n - 1, x.status)
+           END INTO v_msg
+      FROM unnest(p_acks) WITH ORDINALITY AS x(transaction_id, partition_id, status, error, lease_id, consumer_group, n)
+     WHERE x.transaction_id IS NULL OR x.transaction_id = '' OR x.partition_id IS NULL
+        OR (x.status IS NOT NULL AND x.status NOT IN ('completed', 'success', 'failed', 'dlq', 'retry'))
+     ORDER BY x.n LIMIT 1;
+    IF v_msg IS NOT NULL THEN
+        RAISE EXCEPTION 'timers_bad_request' USING ERRCODE = 'QTBAD', DETAIL = v_msg;
+    END IF;
+
+    FOR a IN
+        SELECT x.transaction_id, x.partition_id, x.error, nullif(x.lease_id, '') AS lease_id,
+               CASE coalesce(x.status, 'completed') WHEN 'success' THEN 'completed'
+                    ELSE coalesce(x.status, 'completed') END AS status,
+               coalesce(nullif(x.consumer_group, ''), '__QUEUE_MODE__') AS grp,
+               (x.n - 1)::integer AS idx,
+               m.id AS message_id, m.seq, m.payload, m.is_encrypted, m.producer_sub, m.created_at,
+               p.name AS partition_name, q.name AS queue_name, q.retry_limit
+          FROM unnest(p_acks) WITH ORDINALITY AS x(transaction_id, partition_id, status, error, lease_id, consumer_group, n)
+          LEFT JOIN queen.messages m ON m.partition_id = x.partition_id AND m.transaction_id = x.transaction_id
+          LEFT JOIN queen.partitions p ON p.id = m.partition_id
+          LEFT JOIN queen.queues q ON q.id = p.queue_id
+         ORDER BY x.partition_id, 6, m.seq NULLS LAST, x.n
+    LOOP
+        r := ROW(a.idx, a.transaction_id, false, NULL, a.queue_name, a.partition_name, false, false);
+        IF a.message_id IS NULL THEN
+            r.error := 'Message not found';
+            v_out := v_out || r;
+            CONTINUE;
+        END IF;
+
+        INSERT INTO queen.partition_consumers (partition_id, consumer_group) VALUES (a.partition_id, a.grp)
+        ON CONFLICT (partition_id, consumer_group) DO NOTHING;
+        SELECT * INTO pc FROM queen.partition_consumers
+         WHERE partition_id = a.partition_id AND consumer_group = a.grp
+           FOR UPDATE;
+
+        IF a.lease_id IS NOT NULL
+           AND NOT coalesce(pc.lease_id::text = lower(a.lease_id) AND pc.lease_expires_at > v_now, false) THEN
+            r.error := 'Invalid or expired lease';
+            v_out := v_out || r;
+            CONTINUE;
+        END IF;
+        r.success := true;
+        v_status := a.status;
+
+        IF v_status = 'retry' THEN
+            r.lease_released := pc.lease_id IS NOT NULL;
+            UPDATE queen.partition_consumers
+               SET lease_id = NULL, lease_expires_at = NULL, batch_size = 0, acked_count = 0,
+                   batch_last_seq = NULL, updated_at = v_now
+             WHERE partition_id = a.partition_id AND consumer_group = a.grp;
+        ELSIF a.seq <= pc.last_consumed_seq THEN
+            NULL;  -- already consumed
+        ELSIF v_status = 'failed' AND pc.batch_retry_count < a.retry_limit THEN
+            -- one retry per delivered batch: a second failed ack of the same batch finds no lease
+            IF pc.lease_id IS NOT NULL THEN
+                r.lease_released := true;
+                UPDATE queen.partition_consumers
+                   SET lease_id = NULL, lease_expires_at = NULL, batch_size = 0, acked_count = 0,
+                       batch_last_seq = NULL, batch_retry_count = batch_retry_count + 1, updated_at = v_now
+                 WHERE partition_id = a.partition_id AND consumer_group = a.grp;
+            END IF;
+        ELSE
+            -- completed; or failed past the retry limit, or dlq: dead-letter, then move past it
+            IF v_status IN ('failed', 'dlq') THEN
+                INSERT INTO queen.dead_letter_queue
+                       (message_id, partition_id, consumer_group, transaction_id, payload, is_encrypted,
+                        producer_sub, error_message, retry_count, original_created_at, failed_at)
+                VALUES (a.message_id, a.partition_id, a.grp, a.transaction_id, a.payload, a.is_encrypted,
+                        a.producer_sub, coalesce(nullif(a.error, ''), 'Retries exhausted'),
+                        pc.batch_retry_count, a.created_at, v_now);
+                r.dlq := true;
+            END IF;
+            v_acked := pc.acked_count + 1;
+            v_done := pc.lease_id IS NULL OR pc.batch_last_seq IS NULL
+                      OR a.seq >= pc.batch_last_seq OR v_acked >= pc.batch_size;
+            r.lease_released := v_done AND pc.lease_id IS NOT NULL;
+            UPDATE queen.partition_consumers
+               SET last_consumed_seq = a.seq,
+                   acked_count = CASE WHEN v_done THEN 0 ELSE v_acked END,
+                   lease_id = CASE WHEN v_done THEN NULL ELSE lease_id END,
+                   lease_expires_at = CASE WHEN v_done THEN NULL ELSE lease_expires_at END,
+                   batch_size = CASE WHEN v_done THEN 0 ELSE batch_size END,
+                   batch_last_seq = CASE WHEN v_done THEN NULL ELSE batch_last_seq END,
+                   batch_retry_count = CASE WHEN v_done THEN 0 ELSE batch_retry_count END,
+                   updated_at = v_now
+             WHERE partition_id = a.partition_id AND consumer_group = a.grp;
+        END IF;
+        v_out := v_out || r;
+    END LOOP;
+
+    RETURN QUERY SELECT * FROM unnest(v_out) o ORDER BY o.idx;
+END
+$$;
+
+-- One message by partition id and transaction id, with its status
+-- derived from the DLQ, the consumer cursors and the leases (Queen's
+-- get_message_v1). No row when there is no such message.
+CREATE FUNCTION queen.get_message(
+    p_partition_id   uuid,
+    p_transaction_id text,
+    p_now            timestamptz DEFAULT NULL)
+RETURNS SETOF queen.message_detail
+LANGUAGE sql STABLE AS $$
+    WITH m AS (
+        SELECT m.*, p.name AS partition_name, q.name AS queue_name, q.namespace, q.task,
+               jsonb_build_object('leaseTime', q.lease_time, 'retryLimit', q.retry_limit,
+                                  'retryDelay', q.retry_delay, 'ttl', q.ttl, 'priority', q.priority) AS queue_config
+          FROM queen.messages m
+          JOIN queen.partitions p ON p.id = m.partition_id
+          JOIN queen.queues q ON q.id = p.queue_id
+         WHERE m.partition_id = p_partition_id AND m.transaction_id = p_transaction_id
+    ), g AS (
+        SELECT pc.*,
+               pc.last_consumed_seq >= m.seq AS consumed,
+               pc.lease_expires_at > coalesce(p_now, now()) AND m.seq > pc.last_consumed_seq
+                   AND m.seq <= pc.batch_last_seq AS processing
+          FROM m JOIN queen.partition_consumers pc ON pc.partition_id = m.partition_id
+    ), d AS (
+        SELECT dl.error_message, dl.retry_count
+          FROM m JOIN queen.dead_letter_queue dl ON dl.message_id = m.id AND dl.partition_id = m.partition_id
+         ORDER BY dl.failed_at DESC LIMIT 1
+    ), agg AS (
+        SELECT bool_or(g.consumed) AS any_consumed,
+               bool_or(g.processing) AS any_processing,
+               max(g.lease_expires_at) FILTER (WHERE g.processing) AS lease_expires_at,
+               max(g.batch_retry_count) FILTER (WHERE NOT g.consumed) AS retry_count,
+               bool_or(g.consumer_group = '__QUEUE_MODE__') AS has_queue_mode,
+               count(*) FILTER (WHERE g.consumer_group <> '__QUEUE_MODE__') AS bus_groups,
+               count(*) FILTER (WHERE g.consumed) AS consumed_by,
+               coalesce(jsonb_agg(jsonb_build_object(
+                   'name', g.consumer_group, 'consumed', g.consumed, 'processing', coalesce(g.processing, false),
+                   'lastConsumedSeq', g.last_consumed_seq, 'leaseExpiresAt', g.lease_expires_at)
+                   ORDER BY g.consumer_group) FILTER (WHERE g.consumer_group IS NOT NULL), '[]'::jsonb) AS groups
+          FROM g
+    )
+    SELECT m.id, m.transaction_id, m.partition_id, m.queue_name, m.partition_name, m.namespace, m.task,
+           CASE WHEN EXISTS (SELECT 1 FROM d) THEN 'dead_letter'
+                WHEN coalesce(agg.any_consumed, false) THEN 'completed'
+                WHEN coalesce(agg.any_processing, false) THEN 'processing'
+                ELSE 'pending' END,
+           m.payload, m.is_encrypted, m.trace_id, m.producer_sub, m.created_at,
+           (SELECT d.error_message FROM d),
+           coalesce((SELECT d.retry_count FROM d), agg.retry_count, 0),
+           agg.lease_expires_at,
+           m.queue_config,
+           jsonb_build_object(
+               'hasQueueMode', coalesce(agg.has_queue_mode, false),
+               'busGroupsCount', agg.bus_groups,
+               'consumedByGroups', agg.consumed_by,
+               'type', CASE WHEN coalesce(agg.has_queue_mode, false) AND agg.bus_groups > 0 THEN 'hybrid'
+                            WHEN coalesce(agg.has_queue_mode, false) THEN 'queue'
+                            WHEN agg.bus_groups > 0 THEN 'bus'
+                            ELSE 'none' END),
+           agg.groups
+      FROM m CROSS JOIN agg
+$$;
+
+-- A page of a queue's dead letters, newest first. p_queue NULL: every
+-- queue; p_consumer_group NULL: every group (timer dead letters are
+-- under '__QUEEN_TIMERS__'). p_limit is clamped to 1..1000 (default 100).
+CREATE FUNCTION queen.list_dlq(
+    p_queue          text    DEFAULT NULL,
+    p_consumer_group text    DEFAULT NULL,
+    p_limit          integer DEFAULT 100,
+    p_offset         integer DEFAULT 0)
+RETURNS SETOF queen.dlq_entry
+LANGUAGE sql STABLE AS $$
+    SELECT d.id, d.message_id, d.transaction_id, d.partition_id, q.name, p.name, d.consumer_group,
+           d.error_message, d.retry_count, d.payload, d.is_encrypted, d.producer_sub,
+           d.original_created_at, d.failed_at
+      FROM queen.dead_letter_queue d
+      JOIN queen.partitions p ON p.id = d.partition_id
+      JOIN queen.queues q ON q.id = p.queue_id
+     WHERE (p_queue IS NULL OR q.name = p_queue)
+       AND (p_consumer_group IS NULL OR d.consumer_group = p_consumer_group)
+     ORDER BY d.failed_at DESC, d.id DESC
+     LIMIT least(greatest(coalesce(p_limit, 100), 1), 1000)
+    OFFSET greatest(coalesce(p_offset, 0), 0)
+$$;
+
+-- How many dead letters list_dlq pages over (its `total`).
+CREATE FUNCTION queen.count_dlq(
+    p_queue          text DEFAULT NULL,
+    p_consumer_group text DEFAULT NULL)
+RETURNS bigint
+LANGUAGE sql STABLE AS $$
+    SELECT count(*)
+      FROM queen.dead_letter_queue d
+      JOIN queen.partitions p ON p.id = d.partition_id
+      JOIN queen.queues q ON q.id = p.queue_id
+     WHERE (p_queue IS NULL OR q.name = p_queue)
+       AND (p_consumer_group IS NULL OR d.consumer_group = p_consumer_group)
+$$;
+-- =====================================================================
+-- Part 60: operations: what the sweeper asks before it sleeps, and the
+-- status an operator (or a Prometheus scrape) reads
+-- =====================================================================
+
+-- The lease expiries of held claims, so "when does a dead broker's
+-- claim become due again" is an index probe, not a scan. Partial: only
+-- claimed rows (a handful of batches at any time) are in it.
+CREATE INDEX timers_lease_until_idx ON queen.timers (lease_until) WHERE lease_until IS NOT NULL;
+
+-- Milliseconds until the next timer a sweeper could claim: the soonest
+-- deliver_at of an unclaimed row, or the soonest lease expiry of a held
+-- claim (its broker may have died). 0 when something is due now; NULL
+-- when there is nothing to wait for or the fire is paused. The sweeper
+-- sleeps this long (clamped to its bounds), so PostgreSQL's clock alone
+-- decides when it wakes.
+CREATE FUNCTION queen.next_timer_due_ms(p_now timestamptz DEFAULT NULL)
+RETURNS bigint
+LANGUAGE plpgsql STABLE AS $$
+DECLARE
+    v_now   timestamptz := coalesce(p_now, now());
+    v_next  timestamptz;
+    v_lease timestamptz;
+BEGIN
+    IF (queen.get_cell_settings()).fire_paused THEN
+        RETURN NULL;
+    END IF;
+    SELECT t.deliver_at INTO v_next
+      FROM queen.timers t
+     WHERE NOT queen.timer_is_claimed(t.lease_until, v_now)
+     ORDER BY t.deliver_at
+     LIMIT 1;
+    SELECT min(t.lease_until) INTO v_lease
+      FROM queen.timers t
+     WHERE t.lease_until IS NOT NULL AND t.lease_until > v_now;
+    v_next := least(v_next, v_lease);  -- least() ignores NULLs
+    IF v_next IS NULL THEN
+        RETURN NULL;
+    END IF;
+    RETURN greatest(0, ceil(extract(epoch FROM (v_next - v_now)) * 1000))::bigint;
+END
+$$;
+
+-- The operator's view of the fire: the two switches and the number of
+-- pending timers in the cell (from the per-tenant counters the timer
+-- functions keep, so it is cheap enough for every Prometheus scrape).
+CREATE FUNCTION queen.get_timer_status()
+RETURNS TABLE (scheduling_paused boolean, fire_paused boolean, pending bigint)
+LANGUAGE sql STABLE AS $$
+    SELECT c.scheduling_paused, c.fire_paused,
+           coalesce((SELECT sum(u.pending_timers) FROM queen.tenant_usage u), 0)::bigint
+      FROM queen.cell_settings c
+     WHERE c.id
 $$;
