@@ -2,13 +2,15 @@
 
 Safe to run from several brokers at once: an advisory lock serialises
 them and applied versions are recorded in queen.schema_migrations.
-Refuses to start when the database holds a version this code does not know.
+Refuses to start when the database holds a version this code does not know,
+or when a migration file changed after it was applied (its sha256 is kept).
 
     python -m queen_timers.migrate            # uses QUEEN_DATABASE_URL
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import sys
@@ -47,20 +49,27 @@ def migrate(conninfo: str, directory: Path | None = None) -> list[int]:
         conn.execute("SELECT pg_advisory_lock(%s)", (LOCK_KEY,))
         try:
             exists = conn.execute("SELECT to_regclass('queen.schema_migrations') IS NOT NULL").fetchone()[0]
-            applied = set()
+            applied: dict[int, str | None] = {}
             if exists:
-                applied = {r[0] for r in conn.execute("SELECT version FROM queen.schema_migrations")}
+                applied = dict(conn.execute("SELECT version, checksum FROM queen.schema_migrations").fetchall())
             known = {v for v, _, _ in todo}
-            if applied - known:
+            if set(applied) - known:
                 raise MigrationError(
-                    f"database has migrations {sorted(applied - known)} that this code does not know; upgrade the broker")
+                    f"database has migrations {sorted(set(applied) - known)} that this code does not know; "
+                    "upgrade the broker")
             for version, name, path in todo:
+                text = path.read_text()
+                checksum = hashlib.sha256(text.encode()).hexdigest()
                 if version in applied:
+                    if applied[version] not in (None, checksum):
+                        raise MigrationError(
+                            f"{path.name} changed after it was applied to this database; "
+                            "migrations are append-only: add a new one")
                     continue
                 with conn.transaction():
-                    conn.execute(path.read_text())
-                    conn.execute("INSERT INTO queen.schema_migrations (version, name) VALUES (%s, %s)",
-                                 (version, name))
+                    conn.execute(text)
+                    conn.execute("INSERT INTO queen.schema_migrations (version, name, checksum) VALUES (%s, %s, %s)",
+                                 (version, name, checksum))
                 done.append(version)
         finally:
             conn.execute("SELECT pg_advisory_unlock(%s)", (LOCK_KEY,))

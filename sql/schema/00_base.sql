@@ -27,9 +27,12 @@ CREATE SCHEMA IF NOT EXISTS queen;
 -- Tables
 -- ---------------------------------------------------------------------
 
+-- checksum: sha256 of the migration file as applied by the runner (NULL
+-- when the database was built from the canonical schema instead).
 CREATE TABLE queen.schema_migrations (
     version     integer PRIMARY KEY,
     name        text NOT NULL,
+    checksum    text,
     applied_at  timestamptz NOT NULL DEFAULT now()
 );
 

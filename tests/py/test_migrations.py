@@ -5,9 +5,11 @@ from __future__ import annotations
 import subprocess
 
 import psycopg
+import pytest
 
 from conftest import create_database
-from queen_timers.migrate import available, migrate
+from queen_timers.db import SQL_DIR
+from queen_timers.migrate import MigrationError, available, migrate
 
 
 def dump(url: str) -> str:
@@ -21,6 +23,17 @@ def dump(url: str) -> str:
 def versions(url: str) -> list[tuple[int, str]]:
     with psycopg.connect(url) as conn:
         return conn.execute("SELECT version, name FROM queen.schema_migrations ORDER BY 1").fetchall()
+
+
+def test_a_migration_edited_after_it_was_applied_is_refused(admin_dsn, tmp_path):
+    for path in sorted((SQL_DIR / "migrations").glob("*.sql")):
+        (tmp_path / path.name).write_text(path.read_text())
+    url = create_database(admin_dsn, "queen_migrate_edited", schema=False)
+    migrate(url, tmp_path)
+    first = sorted(tmp_path.glob("*.sql"))[0]
+    first.write_text(first.read_text() + "\n-- edited in place\n")
+    with pytest.raises(MigrationError, match="changed after it was applied"):
+        migrate(url, tmp_path)
 
 
 def test_schema_equals_migrations(admin_dsn):
