@@ -81,12 +81,16 @@ $$;
 -- ---------------------------------------------------------------------
 -- Claim and fire
 -- ---------------------------------------------------------------------
+-- plan_cache_mode = force_custom_plan on the fire functions: after five
+-- calls PL/pgSQL switches to a generic plan that guesses unnest(array) at
+-- 10 rows and joins the batch by nested loop, quadratic in the batch
+-- (bench/RESULTS.md: fire_timers of 1024 frames 45 ms -> 400 ms).
 
 -- Append the frames of deleted timer rows to the log, in expiry order,
 -- and keep the tenants' pending counters. Internal to the fire.
 CREATE FUNCTION queen.append_timer_frames(p_rows queen.timers[], p_frames queen.fire_frame[] DEFAULT NULL)
 RETURNS SETOF queen.fire_result
-LANGUAGE plpgsql AS $$
+LANGUAGE plpgsql SET plan_cache_mode = force_custom_plan AS $$
 DECLARE
     v_fired_at timestamptz := clock_timestamp();
 BEGIN
@@ -133,7 +137,7 @@ CREATE FUNCTION queen.claim_timers(
     p_lease_ms integer     DEFAULT 30000,
     p_now      timestamptz DEFAULT NULL)
 RETURNS SETOF queen.claimed_timer
-LANGUAGE plpgsql AS $$
+LANGUAGE plpgsql SET plan_cache_mode = force_custom_plan AS $$
 DECLARE
     v_now   timestamptz := coalesce(p_now, now());
     v_claim uuid := gen_random_uuid();
@@ -176,7 +180,7 @@ CREATE FUNCTION queen.fire_timers(
     p_frames   queen.fire_frame[],
     p_now      timestamptz DEFAULT NULL)
 RETURNS SETOF queen.fire_result
-LANGUAGE plpgsql AS $$
+LANGUAGE plpgsql SET plan_cache_mode = force_custom_plan AS $$
 DECLARE
     v_now  timestamptz := coalesce(p_now, now());
     v_rows queen.timers[];
@@ -219,7 +223,7 @@ CREATE FUNCTION queen.fire_due_timers(
     p_limit integer     DEFAULT 100,
     p_now   timestamptz DEFAULT NULL)
 RETURNS SETOF queen.fire_result
-LANGUAGE plpgsql AS $$
+LANGUAGE plpgsql SET plan_cache_mode = force_custom_plan AS $$
 DECLARE
     v_now  timestamptz := coalesce(p_now, now());
     v_out  queen.fire_result[];
