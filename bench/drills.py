@@ -234,10 +234,14 @@ def drill_pool(cluster: Cluster, res, clients: int = 48, seconds: float = 10) ->
         _record(url, "drill-pool", out)
         n503 = out["codes"].get(503, 0)
         log(f"  status counts {out['codes']}; 503s {n503}, of which without Retry-After {out['missing_retry_after']}")
+        if not a.alive():
+            log(f"  BROKER EXITED with {a.proc.returncode}; log tail:\n"
+                + a.log_path.read_text(errors="replace")[-2000:])
         with connect(url) as conn:
             wait_until(lambda: conn.execute("SELECT count(*) FROM queen.timers").fetchone()[0] == 0, 60, 0.2)
             f = fate(conn)
         _report(res, "drill_pool", f, codes={str(k): v for k, v in out["codes"].items()}, status_503=n503,
-                missing_retry_after=out["missing_retry_after"], unknown=len(out["unknown"]))
+                missing_retry_after=out["missing_retry_after"], unknown=len(out["unknown"]),
+                broker_alive_after=a.alive())
     finally:
         a.stop()
