@@ -65,9 +65,11 @@ class SqlFeeder(threading.Thread):
         conn.close()
 
 
-def _in_txn(conn, broker_id: str) -> bool:
+def _in_fire(conn, broker_id: str) -> bool:
+    """True when one of the broker's sessions is running a claim or fire statement right now."""
     return conn.execute("""SELECT EXISTS (SELECT 1 FROM pg_stat_activity
-                            WHERE application_name LIKE %s AND state IN ('active', 'idle in transaction'))""",
+                            WHERE application_name LIKE %s AND state IN ('active', 'idle in transaction')
+                              AND query ~ '(fire_due_timers|claim_timers|fire_timers)')""",
                         (f"%{broker_id}",)).fetchone()[0]
 
 
@@ -84,14 +86,16 @@ def drill_kill(cluster: Cluster, res, kills: int, lease_ms: int = 1500) -> None:
     try:
         with connect(url) as conn:
             for k in range(kills):
-                # wait (bounded) until A's sweeper is inside a statement or a transaction
-                hit = wait_until(lambda: _in_txn(conn, a.broker_id), 2.0, 0.002)
-                time.sleep(random.random() * 0.01)
+                # wait (bounded) until A's sweeper is inside a claim or fire statement, then kill at once
+                # (odd kills after a random 0-10 ms more, to land between statements too)
+                hit = wait_until(lambda: _in_fire(conn, a.broker_id), 2.0, 0.001)
+                if k % 2:
+                    time.sleep(random.random() * 0.01)
                 a.kill()
                 mid += hit
                 a = start_broker(url, "ka", **env)
                 if (k + 1) % 20 == 0:
-                    log(f"  {k + 1} kills, {mid} while A was in a statement/transaction, "
+                    log(f"  {k + 1} kills, {mid} seen inside a claim/fire statement just before, "
                         f"{time.monotonic() - t0:.0f} s")
         feeder.stop_evt.set()
         feeder.join(30)
@@ -103,7 +107,8 @@ def drill_kill(cluster: Cluster, res, kills: int, lease_ms: int = 1500) -> None:
         lost_claims = sum(metric_sum(x.metrics(), "queen_timers_claims_lost_total") or 0 for x in (a, b))
         log(f"  surviving brokers' counters: fires deduped by the log (outcome=duplicate) {dup:.0f}, "
             f"claims lost {lost_claims:.0f}")
-        log(f"  {kills} kills ({mid} caught A in a statement or transaction), {feeder.sent} timers scheduled")
+        log(f"  {kills} kills ({mid} with A seen inside a claim/fire statement just before the SIGKILL), "
+            f"{feeder.sent} timers scheduled (half zstd)")
         _report(res, "drill_kill", f, kills=kills, kills_mid_statement=mid, feeder_errors=feeder.errors,
                 surviving_dedupe_hits=dup, surviving_claims_lost=lost_claims)
     finally:
