@@ -81,10 +81,11 @@ $$;
 -- ---------------------------------------------------------------------
 -- Claim and fire
 -- ---------------------------------------------------------------------
--- plan_cache_mode = force_custom_plan on the fire functions: after five
--- calls PL/pgSQL switches to a generic plan that guesses unnest(array) at
--- 10 rows and joins the batch by nested loop, quadratic in the batch
--- (bench/RESULTS.md: fire_timers of 1024 frames 45 ms -> 400 ms).
+-- plan_cache_mode = force_custom_plan on the functions that join a batch
+-- array: after five calls PL/pgSQL switches to a generic plan that guesses
+-- unnest(array) at 10 rows and joins the batch by nested loop, quadratic
+-- in the batch (bench/RESULTS.md: fire_timers of 1024 frames 45 ms ->
+-- 400 ms). fire_due_timers joins no array and keeps its cached plan.
 
 -- Append the frames of deleted timer rows to the log, in expiry order,
 -- and keep the tenants' pending counters. Internal to the fire.
@@ -223,7 +224,7 @@ CREATE FUNCTION queen.fire_due_timers(
     p_limit integer     DEFAULT 100,
     p_now   timestamptz DEFAULT NULL)
 RETURNS SETOF queen.fire_result
-LANGUAGE plpgsql SET plan_cache_mode = force_custom_plan AS $$
+LANGUAGE plpgsql AS $$
 DECLARE
     v_now  timestamptz := coalesce(p_now, now());
     v_out  queen.fire_result[];
