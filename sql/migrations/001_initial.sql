@@ -986,12 +986,17 @@ $$;
 -- ---------------------------------------------------------------------
 -- Claim and fire
 -- ---------------------------------------------------------------------
+-- plan_cache_mode = force_custom_plan on the functions that join a batch
+-- array: after five calls PL/pgSQL switches to a generic plan that guesses
+-- unnest(array) at 10 rows and joins the batch by nested loop, quadratic
+-- in the batch (bench/RESULTS.md: fire_timers of 1024 frames 45 ms ->
+-- 400 ms). fire_due_timers joins no array and keeps its cached plan.
 
 -- Append the frames of deleted timer rows to the log, in expiry order,
 -- and keep the tenants' pending counters. Internal to the fire.
 CREATE FUNCTION queen.append_timer_frames(p_rows queen.timers[], p_frames queen.fire_frame[] DEFAULT NULL)
 RETURNS SETOF queen.fire_result
-LANGUAGE plpgsql AS $$
+LANGUAGE plpgsql SET plan_cache_mode = force_custom_plan AS $$
 DECLARE
     v_fired_at timestamptz := clock_timestamp();
 BEGIN
@@ -1038,7 +1043,7 @@ CREATE FUNCTION queen.claim_timers(
     p_lease_ms integer     DEFAULT 30000,
     p_now      timestamptz DEFAULT NULL)
 RETURNS SETOF queen.claimed_timer
-LANGUAGE plpgsql AS $$
+LANGUAGE plpgsql SET plan_cache_mode = force_custom_plan AS $$
 DECLARE
     v_now   timestamptz := coalesce(p_now, now());
     v_claim uuid := gen_random_uuid();
@@ -1081,7 +1086,7 @@ CREATE FUNCTION queen.fire_timers(
     p_frames   queen.fire_frame[],
     p_now      timestamptz DEFAULT NULL)
 RETURNS SETOF queen.fire_result
-LANGUAGE plpgsql AS $$
+LANGUAGE plpgsql SET plan_cache_mode = force_custom_plan AS $$
 DECLARE
     v_now  timestamptz := coalesce(p_now, now());
     v_rows queen.timers[];
