@@ -58,16 +58,19 @@ class Metrics:
         for cls in FAILURE_CLASSES:
             self.fire_failures.labels(**{"class": cls})
 
-    def observe_results(self, rows: list[dict]) -> None:
-        """Count queen.fire_result rows (from fire_due_timers or fire_timers)."""
-        for row in rows:
-            outcome = row["outcome"]
-            if outcome == "lost":
-                self.claims_lost.inc()
-                continue
-            self.fired.labels(outcome=outcome).inc()
-            if outcome == "fired" and row["fired_at"] is not None and row["deliver_at"] is not None:
-                self.fire_lag.observe(max(0.0, (row["fired_at"] - row["deliver_at"]).total_seconds()))
+    def observe_fires(self, summary: dict) -> int:
+        """Count one fire call's results, folded by PostgreSQL into
+        {n, fired, duplicate, lost, lags} (see sweeper.SUMMARY). Returns n."""
+        if summary["fired"]:
+            self.fired.labels(outcome="fired").inc(summary["fired"])
+        if summary["duplicate"]:
+            self.fired.labels(outcome="duplicate").inc(summary["duplicate"])
+        if summary["lost"]:
+            self.claims_lost.inc(summary["lost"])
+        observe = self.fire_lag.observe
+        for lag in summary["lags"]:
+            observe(max(0.0, lag))
+        return summary["n"]
 
     def observe_failure(self, cls: str, verdict: str) -> None:
         """Count one queen.fail_timer call and its verdict (backoff | dead_lettered | lost)."""

@@ -43,6 +43,9 @@ CREATE TABLE queen.timers (
 );
 -- The sweeper's scan: due rows in expiry order.
 CREATE INDEX timers_deliver_at_idx ON queen.timers (deliver_at);
+-- The leased path's scan (claim_timers p_zstd_only): a backlog of plain
+-- due rows must not be walked to find the few zstd ones.
+CREATE INDEX timers_zstd_deliver_at_idx ON queen.timers (deliver_at) WHERE payload_zstd;
 
 -- ---------------------------------------------------------------------
 -- Types

@@ -131,12 +131,14 @@ $$;
 -- Claim up to p_limit due timers for p_lease_ms, in expiry order (and
 -- returned in it), skipping rows another session holds. A row whose
 -- lease expired (its broker died) is due again. Nothing is claimed
--- while the fire is paused.
+-- while the fire is paused. p_zstd_only: only rows whose frame needs the
+-- broker (zstd to inflate); fire_due_timers takes the rest, lease-free.
 CREATE FUNCTION queen.claim_timers(
     p_broker   text,
     p_limit    integer     DEFAULT 100,
-    p_lease_ms integer     DEFAULT 30000,
-    p_now      timestamptz DEFAULT NULL)
+    p_lease_ms  integer     DEFAULT 30000,
+    p_now       timestamptz DEFAULT NULL,
+    p_zstd_only boolean     DEFAULT false)
 RETURNS SETOF queen.claimed_timer
 LANGUAGE plpgsql SET plan_cache_mode = force_custom_plan AS $$
 DECLARE
@@ -152,6 +154,7 @@ BEGIN
           FROM queen.timers t
          WHERE t.deliver_at <= v_now
            AND NOT queen.timer_is_claimed(t.lease_until, v_now)
+           AND (t.payload_zstd OR NOT p_zstd_only)
          ORDER BY t.deliver_at
          LIMIT greatest(p_limit, 0)
            FOR UPDATE SKIP LOCKED

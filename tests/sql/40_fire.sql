@@ -2,7 +2,7 @@
 -- pause, lost claims, payload override (zstd), duplicates, what
 -- fire_due_timers leaves to the leased path.
 BEGIN;
-SELECT plan(39);
+SELECT plan(42);
 
 CREATE FUNCTION pg_temp.t0() RETURNS timestamptz LANGUAGE sql AS $$ SELECT '2030-01-01 00:00:00+00'::timestamptz $$;
 CREATE FUNCTION pg_temp.at(p_seconds numeric) RETURNS timestamptz LANGUAGE sql AS $$ SELECT pg_temp.t0() + p_seconds * interval '1 second' $$;
@@ -103,6 +103,12 @@ SELECT results_eq($$SELECT timer_key, outcome FROM queen.fire_due_timers(100, pg
 SELECT is((SELECT p.name FROM queen.messages m JOIN queen.partitions p ON p.id = m.partition_id WHERE m.transaction_id = 'txn-p2'), 'eu',
           'the frame lands in the timer''s partition (created on first use)');
 SELECT results_eq('SELECT timer_key COLLATE "default" FROM queen.timers ORDER BY timer_key', $$VALUES ('held'), ('later'), ('z2')$$, 'left for the leased path');
+
+-- ---------------------------------------------------------------- the sweeper's leased path claims only what needs it
+SELECT lives_ok($$SELECT * FROM pg_temp.sched(ARRAY[pg_temp.op('plain3', 0)])$$, 'setup: a due plain timer beside the due zstd one');
+SELECT results_eq($$SELECT timer_key COLLATE "default" FROM queen.claim_timers('b6', 10, 60000, pg_temp.at(40), p_zstd_only => true)$$,
+                  $$VALUES ('z2')$$, 'p_zstd_only claims the zstd row and leaves the plain one');
+SELECT is((SELECT claimed FROM queen.peek_timer('acme', 'fq', 'plain3', pg_temp.at(40))), false, 'the plain row stays for fire_due_timers');
 
 SELECT * FROM finish();
 ROLLBACK;
