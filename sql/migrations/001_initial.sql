@@ -630,13 +630,17 @@ BEGIN
     END IF;
     -- 4. rate, one token per operation
     PERFORM queen.take_rate_tokens(p_tenant, cardinality(p_ops), l.rate_ops_per_second, l.rate_burst, v_now);
-    -- 5. pending-timer quota: rows this batch would create
+    -- 5. pending-timer quota: rows this batch would create, net of the
+    --    unclaimed rows its own cancels free (at the quota, swapping one
+    --    timer for another in one batch is allowed)
     IF l.max_pending_timers IS NOT NULL THEN
-        SELECT count(*) INTO v_new
+        SELECT count(*) FILTER (WHERE o.op IN ('schedule', 'reschedule') AND t.timer_key IS NULL)
+             - count(*) FILTER (WHERE o.op = 'cancel' AND t.timer_key IS NOT NULL
+                                  AND NOT queen.timer_is_claimed(t.lease_until, v_now))
+          INTO v_new
           FROM unnest(p_ops) o
-         WHERE o.op IN ('schedule', 'reschedule')
-           AND NOT EXISTS (SELECT 1 FROM queen.timers t
-                            WHERE t.tenant = p_tenant AND t.queue = o.queue AND t.timer_key = o.timer_key);
+          LEFT JOIN queen.timers t
+                 ON t.tenant = p_tenant AND t.queue = o.queue AND t.timer_key = o.timer_key;
         SELECT coalesce((SELECT pending_timers FROM queen.tenant_usage WHERE tenant = p_tenant), 0)
           INTO v_pending;
         IF v_new > 0 AND v_pending + v_new > l.max_pending_timers THEN

@@ -1,7 +1,7 @@
 -- The refusals of schedule_timers: shape (QTBAD) and every rung of the
 -- gate ladder, in order, each with its SQLSTATE; a refused batch writes nothing.
 BEGIN;
-SELECT plan(52);
+SELECT plan(54);
 
 CREATE FUNCTION pg_temp.t0() RETURNS timestamptz LANGUAGE sql AS $$ SELECT '2030-01-01 00:00:00+00'::timestamptz $$;
 CREATE FUNCTION pg_temp.op(p_op text, p_queue text, p_key text, p_delay bigint DEFAULT 1000,
@@ -110,6 +110,10 @@ SELECT throws_ok($$SELECT * FROM pg_temp.sched(ARRAY[pg_temp.op('schedule', 'q',
                  'the quota rung comes before the horizon rung');
 SELECT is(queen.cancel_timer('initech', 'q', 'r1', pg_temp.t0()), 'cancelled', 'a cancel frees one');
 SELECT is((SELECT status FROM pg_temp.sched(ARRAY[pg_temp.op('schedule', 'q', 'r4')], 'initech', true)), 'scheduled', 'and it can be used again');
+SELECT results_eq($$SELECT status FROM pg_temp.sched(ARRAY[pg_temp.op('cancel', 'q', 'r2'), pg_temp.op('schedule', 'q', 'r5')], 'initech', true) ORDER BY ordinal$$,
+                  $$VALUES ('cancelled'), ('scheduled')$$, 'at the quota, a batch may swap one timer for another');
+SELECT throws_ok($$SELECT * FROM pg_temp.sched(ARRAY[pg_temp.op('cancel', 'q', 'r3'), pg_temp.op('schedule', 'q', 'r6'), pg_temp.op('schedule', 'q', 'r7')], 'initech', true)$$,
+                 'QTQUO', 'timers_quota_exceeded', '... but not grow past it');
 UPDATE queen.plans SET max_pending_timers = NULL WHERE plan = 'pro';
 
 -- ---------------------------------------------------------------- 6. horizon: QTHOR
