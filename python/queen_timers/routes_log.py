@@ -383,6 +383,7 @@ async def list_dlq(request: Request) -> JSONResponse:
             "consumerGroup": r["consumer_group"], "errorMessage": r["error_message"],
             "retryCount": r["retry_count"], "data": payloads.as_json_data(raw),
             "payloadBase64": payloads.encode_base64(raw), "isEncrypted": r["is_encrypted"],
+            "payloadZstd": r["payload_zstd"],
             "producerSub": r["producer_sub"], "createdAt": iso_us(r["created_at"]),
             "failedAt": iso_us(r["failed_at"]),
         })
@@ -594,6 +595,7 @@ OPENAPI_SCHEMAS: dict = {
                                          "description": "the DLQ entry (for replay); `id` is the message id"},
             "consumerGroup": {"type": "string"}, "errorMessage": {"type": ["string", "null"]},
             "retryCount": {"type": "integer"}, "isEncrypted": {"type": "boolean"},
+            "payloadZstd": {"type": "boolean", "description": "a timer's zstd payload, dead-lettered as stored"},
             "failedAt": {"type": "string"}}}},
         "pagination": {"type": "object", "properties": {"limit": {"type": "integer"}, "offset": {"type": "integer"}}},
         "total": {"type": "integer"}}},

@@ -336,6 +336,7 @@ CREATE TABLE queen.dead_letter_queue (
     transaction_id       text NOT NULL,
     payload              bytea NOT NULL,
     is_encrypted         boolean NOT NULL DEFAULT false,
+    payload_zstd         boolean NOT NULL DEFAULT false,  -- a timer's zstd payload, dead-lettered as stored
     producer_sub         text,
     error_message        text,
     retry_count          integer NOT NULL DEFAULT 0,
@@ -1258,10 +1259,10 @@ BEGIN
         v_part := queen.lock_partition(r.queue, r.partition);
         INSERT INTO queen.dead_letter_queue
                (message_id, partition_id, consumer_group, transaction_id, payload, is_encrypted,
-                producer_sub, error_message, retry_count, original_created_at, failed_at,
+                payload_zstd, producer_sub, error_message, retry_count, original_created_at, failed_at,
                 timer_tenant, timer_key)
         VALUES (r.message_id, v_part, '__QUEEN_TIMERS__', r.txn, r.payload, r.encrypted,
-                r.producer_sub, p_error, r.attempts + 1, r.created_at, v_now,
+                r.payload_zstd, r.producer_sub, p_error, r.attempts + 1, r.created_at, v_now,
                 r.tenant, r.timer_key);
         PERFORM queen.bump_tenant_usage(r.tenant, -1, 0);
         RETURN 'dead_lettered';
@@ -1423,6 +1424,7 @@ CREATE TYPE queen.dlq_entry AS (
     retry_count     integer,
     payload         bytea,
     is_encrypted    boolean,
+    payload_zstd    boolean,
     producer_sub    text,
     created_at      timestamptz,
     failed_at       timestamptz
@@ -1882,7 +1884,7 @@ CREATE FUNCTION queen.list_dlq(
 RETURNS SETOF queen.dlq_entry
 LANGUAGE sql STABLE AS $$
     SELECT d.id, d.message_id, d.transaction_id, d.partition_id, q.name, p.name, d.consumer_group,
-           d.error_message, d.retry_count, d.payload, d.is_encrypted, d.producer_sub,
+           d.error_message, d.retry_count, d.payload, d.is_encrypted, d.payload_zstd, d.producer_sub,
            d.original_created_at, d.failed_at
       FROM queen.dead_letter_queue d
       JOIN queen.partitions p ON p.id = d.partition_id

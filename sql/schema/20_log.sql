@@ -85,6 +85,7 @@ CREATE TABLE queen.dead_letter_queue (
     transaction_id       text NOT NULL,
     payload              bytea NOT NULL,
     is_encrypted         boolean NOT NULL DEFAULT false,
+    payload_zstd         boolean NOT NULL DEFAULT false,  -- a timer's zstd payload, dead-lettered as stored
     producer_sub         text,
     error_message        text,
     retry_count          integer NOT NULL DEFAULT 0,

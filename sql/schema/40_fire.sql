@@ -346,10 +346,10 @@ BEGIN
         v_part := queen.lock_partition(r.queue, r.partition);
         INSERT INTO queen.dead_letter_queue
                (message_id, partition_id, consumer_group, transaction_id, payload, is_encrypted,
-                producer_sub, error_message, retry_count, original_created_at, failed_at,
+                payload_zstd, producer_sub, error_message, retry_count, original_created_at, failed_at,
                 timer_tenant, timer_key)
         VALUES (r.message_id, v_part, '__QUEEN_TIMERS__', r.txn, r.payload, r.encrypted,
-                r.producer_sub, p_error, r.attempts + 1, r.created_at, v_now,
+                r.payload_zstd, r.producer_sub, p_error, r.attempts + 1, r.created_at, v_now,
                 r.tenant, r.timer_key);
         PERFORM queen.bump_tenant_usage(r.tenant, -1, 0);
         RETURN 'dead_lettered';

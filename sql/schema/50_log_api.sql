@@ -111,6 +111,7 @@ CREATE TYPE queen.dlq_entry AS (
     retry_count     integer,
     payload         bytea,
     is_encrypted    boolean,
+    payload_zstd    boolean,
     producer_sub    text,
     created_at      timestamptz,
     failed_at       timestamptz
@@ -570,7 +571,7 @@ CREATE FUNCTION queen.list_dlq(
 RETURNS SETOF queen.dlq_entry
 LANGUAGE sql STABLE AS $$
     SELECT d.id, d.message_id, d.transaction_id, d.partition_id, q.name, p.name, d.consumer_group,
-           d.error_message, d.retry_count, d.payload, d.is_encrypted, d.producer_sub,
+           d.error_message, d.retry_count, d.payload, d.is_encrypted, d.payload_zstd, d.producer_sub,
            d.original_created_at, d.failed_at
       FROM queen.dead_letter_queue d
       JOIN queen.partitions p ON p.id = d.partition_id

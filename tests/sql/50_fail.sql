@@ -2,7 +2,7 @@
 -- spend one, backoff is exponential and capped, the DLQ after max
 -- attempts; replay_dlq_entry refuses a timer's dead letter (QTRPL).
 BEGIN;
-SELECT plan(31);
+SELECT plan(33);
 
 CREATE FUNCTION pg_temp.t0() RETURNS timestamptz LANGUAGE sql AS $$ SELECT '2030-01-01 00:00:00+00'::timestamptz $$;
 CREATE FUNCTION pg_temp.at(p_seconds numeric) RETURNS timestamptz LANGUAGE sql AS $$ SELECT pg_temp.t0() + p_seconds * interval '1 second' $$;
@@ -75,11 +75,15 @@ SELECT results_eq($$SELECT m.transaction_id, m.payload, p.name FROM queen.messag
                   'the replayed frame is in the partition with a derived transaction id');
 SELECT is((SELECT count(*) FROM queen.dead_letter_queue WHERE consumer_group = 'workers'), 0::bigint, 'the replayed DLQ row is gone');
 
--- a DLQ with max attempts 1: the first permanent failure dead-letters
-SELECT lives_ok($$SELECT * FROM queen.schedule_timers('acme', ARRAY[ROW('schedule', 'dq', 'k', 0, 'txn-k2', '\x00', NULL, NULL, NULL, NULL)::queen.timer_op],
-                                                      p_now => pg_temp.at(40))$$, 'setup: k again');
+-- a DLQ with max attempts 1: the first permanent failure dead-letters (a zstd timer this time)
+SELECT lives_ok($$SELECT * FROM queen.schedule_timers('acme', ARRAY[ROW('schedule', 'dq', 'k', 0, 'txn-k2', '\x00', NULL, true, NULL, NULL)::queen.timer_op],
+                                                      p_now => pg_temp.at(40))$$, 'setup: k again, zstd');
 SELECT is(queen.fail_timer('acme', 'dq', 'k', pg_temp.claim(pg_temp.at(40)), 'permanent', 'nope', 1, p_now => pg_temp.at(40)), 'dead_lettered',
           'p_max_attempts 1: the first spent attempt dead-letters');
+SELECT results_eq($$SELECT transaction_id, payload_zstd FROM queen.list_dlq('dq', '__QUEEN_TIMERS__') ORDER BY transaction_id$$,
+                  $$VALUES ('txn-k', false), ('txn-k2', true)$$,
+                  'a dead-lettered zstd payload is flagged as such (its bytes are stored compressed)');
+SELECT is((SELECT payload FROM queen.dead_letter_queue WHERE transaction_id = 'txn-k2'), '\x00'::bytea, 'the payload is dead-lettered as stored');
 
 SELECT * FROM finish();
 ROLLBACK;
