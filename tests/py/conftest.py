@@ -125,6 +125,8 @@ class Broker:
     def kill(self, sig: int = signal.SIGKILL) -> None:
         if self.alive():
             self.proc.send_signal(sig)
+            if sig != signal.SIGKILL:
+                self.proc.send_signal(signal.SIGCONT)  # a test may have left it stopped (SIGSTOP)
             self.proc.wait(timeout=30)
 
     def log(self) -> str:

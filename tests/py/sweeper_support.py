@@ -1,27 +1,24 @@
 """Helpers and fixtures for tests/py/test_sweeper_*.py.
 
-The sweeper tests run against a database of their own (queen_pytest_sweeper):
-the brokers that other suites cache for the whole session sweep the shared
-database, and would fire (and count) timers these tests count per broker.
+The sweeper tests use the shared test database (conftest's `db`) and private
+brokers (`spawn_broker`): asking for one stops every shared broker, so no
+other broker fires or counts the timers these tests count per broker.
 Timers are scheduled with SQL (queen.schedule_timers), in batches of 256.
+The `sdb` fixture also drops the test triggers these tests install on
+queen.messages, which emptying the tables does not.
 """
 
 from __future__ import annotations
 
-import signal
 import time
-from pathlib import Path
 
 import httpx
-import psycopg
 import pytest
 import zstandard
 from prometheus_client.parser import text_string_to_metric_families
-from psycopg.rows import dict_row
 
-from conftest import Broker, create_database, reset_database, start_broker
+from conftest import Broker
 
-SWEEPER_DB = "queen_pytest_sweeper"
 BATCH = 256
 
 DROP_TEST_OBJECTS = """
@@ -41,41 +38,23 @@ DROP SEQUENCE IF EXISTS public.sweeper_test_flaky_seq;
 """
 
 
-@pytest.fixture(scope="session")
-def sweeper_url(admin_dsn) -> str:
-    return create_database(admin_dsn, SWEEPER_DB)
+@pytest.fixture
+def sweeper_url(database_url) -> str:
+    return database_url
 
 
 @pytest.fixture
-def sdb(sweeper_url):
-    """A clean sweeper database (no test triggers); an autocommit dict_row connection."""
-    with psycopg.connect(sweeper_url, autocommit=True) as conn:
-        conn.execute(DROP_TEST_OBJECTS)
-    reset_database(sweeper_url)
-    with psycopg.connect(sweeper_url, autocommit=True, row_factory=dict_row) as conn:
-        yield conn
-    with psycopg.connect(sweeper_url, autocommit=True) as conn:
-        conn.execute(DROP_TEST_OBJECTS)
+def sdb(db):
+    """A clean database with no test triggers; an autocommit dict_row connection."""
+    db.execute(DROP_TEST_OBJECTS)
+    yield db
+    db.execute(DROP_TEST_OBJECTS)
 
 
 @pytest.fixture
-def sweeper_broker(sdb, sweeper_url, tmp_path):
-    """sweeper_broker(**QUEEN_env) -> a private broker on the sweeper database, stopped at teardown."""
-    started: list[Broker] = []
-
-    def spawn(**env) -> Broker:
-        b = start_broker(sweeper_url, Path(tmp_path), **{k: str(v) for k, v in env.items()})
-        started.append(b)
-        return b
-
-    yield spawn
-    for b in started:
-        if b.alive():
-            try:
-                b.proc.send_signal(signal.SIGCONT)
-            except ProcessLookupError:
-                pass
-        b.kill(signal.SIGTERM)
+def sweeper_broker(sdb, spawn_broker):
+    """sweeper_broker(**QUEEN_env) -> a private broker, stopped (even if SIGSTOPped) at teardown."""
+    return lambda **env: spawn_broker(**{k: str(v) for k, v in env.items()})
 
 
 def zstd(data: bytes) -> bytes:
