@@ -17,7 +17,8 @@
   const COLORS = ["#2f6fdf", "#e8833a", "#3aa76d", "#c2417a", "#7c5cd6", "#2aa3b5", "#b8a02a", "#8a6d5a"];
   const $ = (id) => document.getElementById(id);
   let refreshing = null;
-  let refreshes = 0;
+  let queued = false;
+  let sequence = 0;
 
   // ------------------------------------------------------------------ helpers
 
@@ -298,7 +299,7 @@
       return;
     }
     const rows = page.messages.map((m) => el("tr", { "data-dlq-id": m.dlqId },
-      el("td", { text: fmtTime(m.failedAt) }),
+      el("td", { class: "when", text: fmtTime(m.failedAt) }),
       el("td", { class: "queue", text: m.queue }),
       el("td", { text: m.partition }),
       el("td", { class: "mono txn", text: m.transactionId }),
@@ -381,18 +382,28 @@
     $("who").textContent = c ? `${c.role || "?"} · tenant ${c.tenant || "default"} · ${c.sub || ""}` : "token set";
   }
 
+  // One refresh at a time; a refresh asked for meanwhile (a new token, a click)
+  // runs right after, so what is shown was read with the current token.
+  // body[data-started] / body[data-refreshes]: the sequence numbers of the last
+  // refresh started / completed (what a test waits on).
   async function refreshAll() {
-    if (refreshing) return refreshing;
-    refreshing = (async () => {
-      await Promise.all([loadHealth(), loadStats(), loadLag(), loadDlq(), loadSwitches()]);
-      refreshes += 1;
-      document.body.dataset.refreshes = String(refreshes);
-      $("updated").textContent = `updated ${new Date().toLocaleTimeString()}`;
-    })();
+    if (refreshing) {
+      queued = true;
+      return;
+    }
+    const mine = ++sequence;
+    document.body.dataset.started = String(mine);
+    refreshing = Promise.all([loadHealth(), loadStats(), loadLag(), loadDlq(), loadSwitches()]);
     try {
       await refreshing;
+      $("updated").textContent = `updated ${new Date().toLocaleTimeString()}`;
     } finally {
       refreshing = null;
+      document.body.dataset.refreshes = String(mine);
+      if (queued) {
+        queued = false;
+        refreshAll();
+      }
     }
   }
 
