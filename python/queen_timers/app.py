@@ -12,7 +12,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from . import __version__, routes_log, routes_ops, routes_timers
+from . import __version__, routes_dashboard, routes_log, routes_ops, routes_timers
 from .auth import Authenticator
 from .config import Settings
 from .db import make_pool
@@ -66,7 +66,8 @@ def create_app(settings: Settings | None = None) -> Starlette:
 
     app = Starlette(
         routes=[Route("/health", health, methods=["GET"]),
-                *routes_timers.routes, *routes_log.routes, *routes_ops.routes],
+                *routes_timers.routes, *routes_log.routes, *routes_ops.routes,
+                *routes_dashboard.routes],
         # Handlers keyed by class run in ExceptionMiddleware and keep the connection
         # alive; anything else is a bug and reaches ServerErrorMiddleware as a 500.
         exception_handlers={ApiError: api_error, psycopg.Error: database_error,

@@ -1,7 +1,8 @@
 """The OpenAPI 3.1 document of the broker, served at GET /openapi.json (public).
 
-The timer routes and /health are described here. Other route modules add
-theirs with module-level dicts, merged at request time:
+The timer routes and /health are described here. Other route modules
+(routes_log, routes_ops, routes_dashboard) add theirs with module-level
+dicts, merged at request time:
 
     OPENAPI_PATHS   = {"/api/v1/...": {"get": {...}}}       # merged into "paths"
     OPENAPI_SCHEMAS = {"Name": {...}}                        # merged into components.schemas
@@ -287,11 +288,11 @@ def _merge_paths(target: dict, extra: dict) -> None:
 def build_document() -> dict:
     """The whole document: the timer routes here, plus what routes_log and
     routes_ops declare in OPENAPI_PATHS / OPENAPI_SCHEMAS."""
-    from . import routes_log, routes_ops  # at call time: those modules import freely
+    from . import routes_dashboard, routes_log, routes_ops  # at call time: those modules import freely
 
     paths = copy.deepcopy(TIMER_PATHS)
     schemas = copy.deepcopy(SCHEMAS)
-    for module in (routes_log, routes_ops):
+    for module in (routes_log, routes_ops, routes_dashboard):
         _merge_paths(paths, getattr(module, "OPENAPI_PATHS", {}))
         schemas.update(copy.deepcopy(getattr(module, "OPENAPI_SCHEMAS", {})))
     return {
