@@ -1,9 +1,11 @@
 """Routes of the Queen-compatible log a timer fires into.
 
 configure, push, pop, ack, ack/batch, message detail, DLQ list and DLQ
-replay. Shapes follow Queen MQ's HTTP API (docs/log-surface.md) so its
-clients work; every state change is one queen.* function call
-(sql/schema/50_log_api.sql). Payloads are bytes in the log: `data` is the
+replay. Shapes follow Queen MQ's HTTP API
+(docs/log-surface.md) so its clients work; every state change is one
+queen.* function call (sql/schema/50_log_api.sql). Every call is scoped by
+the caller's tenant (the JWT's `tenant`; `default` with auth off): another
+tenant's queues are invisible. Payloads are bytes in the log: `data` is the
 JSON value when the bytes are JSON, else their base64; `payloadBase64`
 is always the exact bytes.
 """
@@ -127,7 +129,7 @@ def _bool_param(request: Request, name: str, default: bool = False) -> bool:
 # ---------------------------------------------------------------------------
 
 async def configure(request: Request) -> JSONResponse:
-    request.app.state.auth.require(request, READ_WRITE)
+    principal = request.app.state.auth.require(request, READ_WRITE)
     body = await _json_body(request)
     queue = body.get("queue")
     if not isinstance(queue, str) or not queue:
@@ -141,8 +143,8 @@ async def configure(request: Request) -> JSONResponse:
         raise bad_request("options must be an object")
     async with _conn(request) as conn:
         cur = await conn.execute(
-            "SELECT * FROM queen.configure_queue(%s, %s, %s, %s::jsonb)",
-            (queue, namespace, task, json.dumps(options)))
+            "SELECT * FROM queen.configure_queue(%s, %s, %s, %s, %s::jsonb)",
+            (principal.tenant, queue, namespace, task, json.dumps(options)))
         row = await cur.fetchone()
     return JSONResponse({
         "configured": True, "queueId": str(row["queue_id"]), "partitionId": str(row["partition_id"]),
@@ -155,6 +157,40 @@ async def configure(request: Request) -> JSONResponse:
 # push
 # ---------------------------------------------------------------------------
 
+def _parse_push_item(item: object, where: str) -> tuple:
+    """(queue, partition, transactionId or None, traceId or None, payload bytes) of one item."""
+    if not isinstance(item, dict):
+        raise bad_request(f"{where} must be an object")
+    where = f"{where}."
+    queue = item.get("queue")
+    if not isinstance(queue, str) or not queue:
+        raise bad_request(f"{where}queue is required (a non-empty string)")
+    partition = _opt_str(item, "partition", where) or "Default"
+    txn = _opt_str(item, "transactionId", where) or None
+    trace = item.get("traceId")
+    trace_id = None if trace is None else _uuid(trace, f"{where}traceId")
+    payload = item.get("payload", {})
+    data = json.dumps(payload, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    return (queue, partition, txn, trace_id, data)
+
+
+async def _encrypt_items(conn, settings, tenant: str, parsed: list[tuple]) -> list[tuple]:
+    """The items with their stored bytes and is_encrypted: encrypted when the
+    tenant's queue encrypts at rest and this broker has the key (as Queen)."""
+    encrypted: set[str] = set()
+    if settings.encryption_key is not None and parsed:
+        cur = await conn.execute("SELECT queen.encrypted_queues(%s, %s::text[]) AS name",
+                                 (tenant, sorted({p[0] for p in parsed})))
+        encrypted = {r["name"] for r in await cur.fetchall()}
+    rows = []
+    for queue, partition, txn, trace_id, data in parsed:
+        if queue in encrypted:
+            rows.append((queue, partition, txn, trace_id, payloads.encrypt(settings.encryption_key, data), True))
+        else:
+            rows.append((queue, partition, txn, trace_id, data, False))
+    return rows
+
+
 async def push(request: Request) -> JSONResponse:
     principal = request.app.state.auth.require(request, READ_WRITE)
     settings = request.app.state.settings
@@ -162,45 +198,22 @@ async def push(request: Request) -> JSONResponse:
     items = body.get("items")
     if not isinstance(items, list):
         raise bad_request("items is required (an array)")
-    parsed = []
-    for i, item in enumerate(items):
-        where = f"items[{i}]."
-        if not isinstance(item, dict):
-            raise bad_request(f"items[{i}] must be an object")
-        queue = item.get("queue")
-        if not isinstance(queue, str) or not queue:
-            raise bad_request(f"{where}queue is required (a non-empty string)")
-        partition = _opt_str(item, "partition", where) or "Default"
-        txn = _opt_str(item, "transactionId", where) or None
-        trace = item.get("traceId")
-        trace_id = None if trace is None else _uuid(trace, f"{where}traceId")
-        payload = item.get("payload", {})
-        data = json.dumps(payload, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
-        parsed.append((queue, partition, txn, trace_id, data))
+    parsed = [_parse_push_item(item, f"items[{i}]") for i, item in enumerate(items)]
     if not parsed:
         return JSONResponse([], status_code=201)
 
     async with _conn(request) as conn:
-        encrypted: set[str] = set()
-        if settings.encryption_key is not None:
-            cur = await conn.execute("SELECT queen.encrypted_queues(%s::text[]) AS name",
-                                     (sorted({p[0] for p in parsed}),))
-            encrypted = {r["name"] for r in await cur.fetchall()}
-        rows = []
-        for queue, partition, txn, trace_id, data in parsed:
-            if queue in encrypted:
-                rows.append((queue, partition, txn, trace_id, payloads.encrypt(settings.encryption_key, data), True))
-            else:
-                rows.append((queue, partition, txn, trace_id, data, False))
+        rows = await _encrypt_items(conn, settings, principal.tenant, parsed)
         cur = await conn.execute(
             """SELECT * FROM queen.push_messages(
+                   %s,
                    ARRAY(SELECT ROW(x.q, x.p, x.t, x.tr, x.pl, x.e)::queen.push_item
                            FROM unnest(%s::text[], %s::text[], %s::text[], %s::uuid[], %s::bytea[], %s::boolean[])
                                 WITH ORDINALITY AS x(q, p, t, tr, pl, e, n)
                           ORDER BY x.n),
                    %s)""",
-            ([r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows], [r[3] for r in rows],
-             [r[4] for r in rows], [r[5] for r in rows], principal.sub))
+            (principal.tenant, [r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows],
+             [r[3] for r in rows], [r[4] for r in rows], [r[5] for r in rows], principal.sub))
         results = await cur.fetchall()
     out = []
     for r in results:
@@ -219,7 +232,7 @@ async def push(request: Request) -> JSONResponse:
 # ---------------------------------------------------------------------------
 
 async def pop(request: Request) -> Response:
-    request.app.state.auth.require(request, READ_WRITE)
+    principal = request.app.state.auth.require(request, READ_WRITE)
     settings = request.app.state.settings
     queue = request.path_params["queue"]
     partition = request.path_params.get("partition")
@@ -233,8 +246,8 @@ async def pop(request: Request) -> Response:
     sleep = 0.05
     while True:
         async with _conn(request) as conn:
-            cur = await conn.execute("SELECT * FROM queen.pop_messages(%s, %s, %s, %s, %s)",
-                                     (queue, partition, group, batch, auto_ack))
+            cur = await conn.execute("SELECT * FROM queen.pop_messages(%s, %s, %s, %s, %s, %s)",
+                                     (principal.tenant, queue, partition, group, batch, auto_ack))
             rows = await cur.fetchall()
         remaining = deadline - time.monotonic()
         if rows or not wait or remaining <= 0:
@@ -290,17 +303,18 @@ def _parse_ack(obj: object, where: str, default_group: str | None) -> tuple:
     return (txn, partition_id, status, error, lease, group or default_group)
 
 
-async def _ack(request: Request, acks: list[tuple]) -> list[dict]:
+async def _ack(request: Request, tenant: str, acks: list[tuple]) -> list[dict]:
     if not acks:
         return []
     async with _conn(request) as conn:
         cur = await conn.execute(
             """SELECT * FROM queen.ack_messages(
+                   %s,
                    ARRAY(SELECT ROW(x.t, x.p, x.s, x.e, x.l, x.g)::queen.ack_item
                            FROM unnest(%s::text[], %s::uuid[], %s::text[], %s::text[], %s::text[], %s::text[])
                                 WITH ORDINALITY AS x(t, p, s, e, l, g, n)
                           ORDER BY x.n))""",
-            tuple([a[i] for a in acks] for i in range(6)))
+            (tenant, *([a[i] for a in acks] for i in range(6))))
         rows = await cur.fetchall()
     return [{"index": r["idx"], "transactionId": r["transaction_id"], "success": r["success"],
              "error": r["error"], "queueName": r["queue_name"], "partitionName": r["partition_name"],
@@ -308,13 +322,13 @@ async def _ack(request: Request, acks: list[tuple]) -> list[dict]:
 
 
 async def ack(request: Request) -> JSONResponse:
-    request.app.state.auth.require(request, READ_WRITE)
+    principal = request.app.state.auth.require(request, READ_WRITE)
     body = await _json_body(request)
-    return JSONResponse(await _ack(request, [_parse_ack(body, "body", None)]))
+    return JSONResponse(await _ack(request, principal.tenant, [_parse_ack(body, "body", None)]))
 
 
 async def ack_batch(request: Request) -> JSONResponse:
-    request.app.state.auth.require(request, READ_WRITE)
+    principal = request.app.state.auth.require(request, READ_WRITE)
     body = await _json_body(request)
     group = body.get("consumerGroup")
     if group is not None and not isinstance(group, str):
@@ -323,7 +337,7 @@ async def ack_batch(request: Request) -> JSONResponse:
     if not isinstance(items, list):
         raise bad_request("acknowledgments is required (an array)")
     acks = [_parse_ack(a, f"acknowledgments[{i}]", group) for i, a in enumerate(items)]
-    return JSONResponse(await _ack(request, acks))
+    return JSONResponse(await _ack(request, principal.tenant, acks))
 
 
 # ---------------------------------------------------------------------------
@@ -331,15 +345,15 @@ async def ack_batch(request: Request) -> JSONResponse:
 # ---------------------------------------------------------------------------
 
 async def get_message(request: Request) -> JSONResponse:
-    request.app.state.auth.require(request, READ_ONLY)
+    principal = request.app.state.auth.require(request, READ_ONLY)
     settings = request.app.state.settings
     try:
         partition_id = uuid.UUID(request.path_params["partitionId"])
     except ValueError:
         return JSONResponse({"error": "Message not found"}, status_code=404)
     async with _conn(request) as conn:
-        cur = await conn.execute("SELECT * FROM queen.get_message(%s, %s)",
-                                 (partition_id, request.path_params["transactionId"]))
+        cur = await conn.execute("SELECT * FROM queen.get_message(%s, %s, %s)",
+                                 (principal.tenant, partition_id, request.path_params["transactionId"]))
         r = await cur.fetchone()
     if r is None:
         return JSONResponse({"error": "Message not found"}, status_code=404)
@@ -363,16 +377,17 @@ async def get_message(request: Request) -> JSONResponse:
 # ---------------------------------------------------------------------------
 
 async def list_dlq(request: Request) -> JSONResponse:
-    request.app.state.auth.require(request, READ_ONLY)
+    principal = request.app.state.auth.require(request, READ_ONLY)
     queue = request.query_params.get("queue") or None
     group = request.query_params.get("consumerGroup") or None
     limit = _int_param(request, "limit", 100, 1, 1000)
     offset = _int_param(request, "offset", 0, 0, 2**31 - 1)
     # `partition`, `from` and `to` are ignored, as Queen's dlq route does
     async with _conn(request) as conn:
-        cur = await conn.execute("SELECT * FROM queen.list_dlq(%s, %s, %s, %s)", (queue, group, limit, offset))
+        cur = await conn.execute("SELECT * FROM queen.list_dlq(%s, %s, %s, %s, %s)",
+                                 (principal.tenant, queue, group, limit, offset))
         rows = await cur.fetchall()
-        cur = await conn.execute("SELECT queen.count_dlq(%s, %s) AS total", (queue, group))
+        cur = await conn.execute("SELECT queen.count_dlq(%s, %s, %s) AS total", (principal.tenant, queue, group))
         total = (await cur.fetchone())["total"]
     messages = []
     for r in rows:
@@ -392,13 +407,13 @@ async def list_dlq(request: Request) -> JSONResponse:
 
 
 async def replay_dlq(request: Request) -> JSONResponse:
-    request.app.state.auth.require(request, READ_WRITE)
+    principal = request.app.state.auth.require(request, READ_WRITE)
     try:
         dlq_id = uuid.UUID(request.path_params["id"])
     except ValueError:
         raise ApiError(404, "not_found", "no DLQ entry with that id (it is not a UUID)") from None
     async with _conn(request) as conn:
-        cur = await conn.execute("SELECT queen.replay_dlq_entry(%s) AS message_id", (dlq_id,))
+        cur = await conn.execute("SELECT queen.replay_dlq_entry(%s, %s) AS message_id", (principal.tenant, dlq_id))
         row = await cur.fetchone()
     return JSONResponse({"replayed": True, "dlqId": str(dlq_id), "messageId": str(row["message_id"])})
 
