@@ -1,7 +1,7 @@
 """Routes of the Queen-compatible log a timer fires into.
 
-configure, push, pop, ack, ack/batch, message detail, DLQ list and DLQ
-replay. Shapes follow Queen MQ's HTTP API
+configure, push, pop, ack, ack/batch, message detail, DLQ list, DLQ
+replay, transaction and lease extension. Shapes follow Queen MQ's HTTP API
 (docs/log-surface.md) so its clients work; every state change is one
 queen.* function call (sql/schema/50_log_api.sql). Every call is scoped by
 the caller's tenant (the JWT's `tenant`; `default` with auth off): another
@@ -418,6 +418,133 @@ async def replay_dlq(request: Request) -> JSONResponse:
     return JSONResponse({"replayed": True, "dlqId": str(dlq_id), "messageId": str(row["message_id"])})
 
 
+# ---------------------------------------------------------------------------
+# transaction (atomic pushes + acks) and lease extension
+# ---------------------------------------------------------------------------
+
+MAX_TXN_OPS = 10000
+
+TXN_SQL = """
+SELECT o.transaction_id, o.success, o.error, o.failed_index,
+       (SELECT coalesce(jsonb_agg(to_jsonb(r) ORDER BY r.idx), '[]'::jsonb) FROM unnest(o.results) r) AS results
+  FROM queen.execute_transaction(
+         %s,
+         ARRAY(SELECT ROW(x.ty, x.q, x.p, x.t, x.tr, x.pl, x.e, x.pid, x.s, x.err, x.l, x.g)::queen.txn_op
+                 FROM unnest(%s::text[], %s::text[], %s::text[], %s::text[], %s::uuid[], %s::bytea[],
+                             %s::boolean[], %s::uuid[], %s::text[], %s::text[], %s::text[], %s::text[])
+                      WITH ORDINALITY AS x(ty, q, p, t, tr, pl, e, pid, s, err, l, g, n)
+                ORDER BY x.n),
+         %s::text[],
+         %s) o
+"""
+
+
+def _txn_result(r: dict) -> dict:
+    if r["type"] == "push":
+        return {"index": r["idx"], "type": "push", "success": r["success"], "status": r["status"],
+                "transactionId": r["transaction_id"], "messageId": r["message_id"],
+                "partitionId": r["partition_id"], "queueName": r["queue_name"]}
+    return {"index": r["idx"], "type": "ack", "success": r["success"], "transactionId": r["transaction_id"],
+            "error": r["error"], "partitionId": r["partition_id"], "queueName": r["queue_name"],
+            "partitionName": r["partition_name"], "leaseReleased": r["lease_released"], "dlq": r["dlq"]}
+
+
+async def transaction(request: Request) -> JSONResponse:
+    """Queen's POST /api/v1/transaction: {operations: [{type: "push", items: [...]} |
+    {type: "ack", transactionId, partitionId, status?, error?, leaseId?, consumerGroup?}],
+    requiredLeases?: [...]}. One queen.execute_transaction call: all or nothing."""
+    principal = request.app.state.auth.require(request, READ_WRITE)
+    settings = request.app.state.settings
+    body = await _json_body(request)
+    for rider in ("kv", "timers"):
+        if body.get(rider):
+            raise bad_request(f"{rider} operations in a transaction are not supported by this broker; "
+                              "nothing was applied")
+    operations = body.get("operations")
+    if not isinstance(operations, list):
+        raise bad_request("operations is required (an array)")
+    if not operations:
+        raise bad_request("operations may not be empty")
+    required = body.get("requiredLeases")
+    if required is None:
+        required = []
+    if not isinstance(required, list) or not all(isinstance(x, str) for x in required):
+        raise bad_request("requiredLeases must be an array of strings")
+
+    pushes: dict[int, tuple] = {}   # flat index -> parsed push item
+    acks: dict[int, tuple] = {}     # flat index -> parsed ack
+    flat = 0
+    for i, op in enumerate(operations):
+        where = f"operations[{i}]"
+        if not isinstance(op, dict):
+            raise bad_request(f"{where} must be an object")
+        kind = op.get("type")
+        if kind == "push":
+            items = op.get("items")
+            if not isinstance(items, list):
+                raise bad_request(f"{where}.items is required (an array)")
+            for j, item in enumerate(items):
+                if isinstance(item, dict) and "payload" not in item and "data" in item:
+                    item = {**item, "payload": item["data"]}  # Queen reads payload, else data
+                pushes[flat] = _parse_push_item(item, f"{where}.items[{j}]")
+                flat += 1
+        elif kind == "ack":
+            acks[flat] = _parse_ack(op, where, None)
+            flat += 1
+        else:
+            raise bad_request(f"{where}.type must be push or ack")
+        if flat > MAX_TXN_OPS:
+            raise bad_request(f"at most {MAX_TXN_OPS} operations (pushed items and acks) per transaction")
+    if flat == 0:
+        raise bad_request("the transaction has no operations (every push has an empty items array)")
+
+    async with _conn(request) as conn:
+        order = sorted(pushes)
+        stored = dict(zip(order, await _encrypt_items(conn, settings, principal.tenant,
+                                                      [pushes[k] for k in order])))
+        cols: list[list] = [[] for _ in range(12)]
+        for k in range(flat):
+            if k in stored:
+                q, p, t, tr, pl, e = stored[k]
+                row = ("push", q, p, t, tr, pl, e, None, None, None, None, None)
+            else:
+                t, pid, st, err, lease, group = acks[k]
+                row = ("ack", None, None, t, None, None, None, pid, st, err, lease, group)
+            for c, v in zip(cols, row):
+                c.append(v)
+        cur = await conn.execute(TXN_SQL, (principal.tenant, *cols, required, principal.sub))
+        out = await cur.fetchone()
+    body = {"transactionId": str(out["transaction_id"]), "success": out["success"],
+            "results": [_txn_result(r) for r in out["results"]]}
+    if not out["success"]:
+        body["error"] = out["error"]
+        body["failedIndex"] = out["failed_index"]
+    return JSONResponse(body)
+
+
+MAX_EXTEND_SECONDS = 86400
+
+
+async def extend_lease(request: Request) -> JSONResponse:
+    """Queen's POST /api/v1/lease/:leaseId/extend {seconds?: 60}: a one-element
+    array {index, leaseId, success, error, expiresAt, newExpiresAt, renewed}."""
+    principal = request.app.state.auth.require(request, READ_WRITE)
+    lease_id = request.path_params["leaseId"]
+    body = await _json_body(request) if (await request.body()).strip() else {}
+    seconds = body.get("seconds")
+    if seconds is None:
+        seconds = 60
+    if isinstance(seconds, bool) or not isinstance(seconds, int) or not 1 <= seconds <= MAX_EXTEND_SECONDS:
+        raise bad_request(f"seconds must be an integer from 1 to {MAX_EXTEND_SECONDS}")
+    async with _conn(request) as conn:
+        cur = await conn.execute("SELECT * FROM queen.extend_lease(%s, %s, %s)",
+                                 (principal.tenant, lease_id, seconds))
+        r = await cur.fetchone()
+    expires = iso_us(r["expires_at"])
+    return JSONResponse([{"index": 0, "leaseId": lease_id, "success": r["success"], "error": r["error"],
+                          "expiresAt": expires, "newExpiresAt": expires, "renewed": r["renewed"]}])
+
+
 routes = [
     Route("/api/v1/configure", configure, methods=["POST"]),
     Route("/api/v1/push", push, methods=["POST"]),
@@ -428,6 +555,8 @@ routes = [
     Route("/api/v1/messages/{partitionId}/{transactionId:path}", get_message, methods=["GET"]),
     Route("/api/v1/dlq", list_dlq, methods=["GET"]),
     Route("/api/v1/dlq/{id}/replay", replay_dlq, methods=["POST"]),
+    Route("/api/v1/transaction", transaction, methods=["POST"]),
+    Route("/api/v1/lease/{leaseId}/extend", extend_lease, methods=["POST"]),
 ]
 
 
@@ -534,6 +663,24 @@ OPENAPI_PATHS: dict = {
                       "404": _err("no such DLQ entry", ["not_found"]),
                       "409": _err("a timer's dead letter cannot be replayed", ["dlq_replay_refused"]),
                       **_AUTH, **_UNAVAILABLE}}},
+    "/api/v1/transaction": {"post": {
+        "summary": "Pushes and acks in one database transaction: all applied, or none",
+        "description": "Each pushed item and each ack is one operation (the flat `index`). An ack that does "
+                       "not succeed, or a required lease that is not held, applies nothing: 200 with "
+                       "`success: false`, `error` and `failedIndex` (null for a required lease). A push "
+                       "whose transactionId is already in the partition is `duplicate`, not a failure.",
+        "requestBody": {"required": True, "content": {"application/json": {"schema": _ref("TransactionRequest")}}},
+        "responses": {"200": _json("the outcome", _ref("TransactionResult")), **_BAD, **_AUTH, **_UNAVAILABLE}}},
+    "/api/v1/lease/{leaseId}/extend": {"post": {
+        "summary": "Extend a pop's lease to at least now + `seconds` (never shortens it)",
+        "parameters": [_p("leaseId", "the leaseId a pop returned")],
+        "requestBody": {"required": False, "content": {"application/json": {"schema": {
+            "type": "object", "properties": {"seconds": {"type": "integer", "minimum": 1, "maximum": 86400,
+                                                         "default": 60}}}}}},
+        "responses": {"200": _json("a one-element array; success false when the lease is unknown, released, "
+                                   "expired or another tenant's",
+                                   {"type": "array", "items": _ref("LeaseExtendResult")}),
+                      **_BAD, **_AUTH, **_UNAVAILABLE}}},
 }
 
 _INT = {"type": "integer", "minimum": 0}
@@ -614,4 +761,36 @@ OPENAPI_SCHEMAS: dict = {
             "failedAt": {"type": "string"}}}},
         "pagination": {"type": "object", "properties": {"limit": {"type": "integer"}, "offset": {"type": "integer"}}},
         "total": {"type": "integer"}}},
+    "TransactionRequest": {"type": "object", "required": ["operations"], "properties": {
+        "operations": {"type": "array", "minItems": 1, "items": {"oneOf": [
+            {"type": "object", "required": ["type", "items"], "properties": {
+                "type": {"const": "push"},
+                "items": {"type": "array", "items": {"type": "object", "required": ["queue"], "properties": {
+                    "queue": {"type": "string", "minLength": 1}, "partition": {"type": "string"},
+                    "payload": {"description": "any JSON value (`data` is read when payload is absent)"},
+                    "transactionId": {"type": "string"}, "traceId": {"type": "string", "format": "uuid"}}}}}},
+            {"allOf": [{"type": "object", "required": ["type"], "properties": {"type": {"const": "ack"}}},
+                       _ref("Ack")]}]}},
+        "requiredLeases": {"type": "array", "items": {"type": "string"},
+                           "description": "leases that must be held; an ack without its own leaseId "
+                                          "borrows the lease when exactly one is named"},
+        "kv": {"description": "not supported by this broker: a non-empty value is 400"},
+        "timers": {"description": "not supported by this broker: a non-empty value is 400"}}},
+    "TransactionResult": {"type": "object", "properties": {
+        "transactionId": {"type": "string", "format": "uuid"}, "success": {"type": "boolean"},
+        "error": {"type": "string", "description": "only when success is false"},
+        "failedIndex": {"type": ["integer", "null"], "description": "only when success is false"},
+        "results": {"type": "array", "description": "one per operation when success; empty otherwise",
+                    "items": {"type": "object", "properties": {
+                        "index": {"type": "integer"}, "type": {"enum": ["push", "ack"]},
+                        "success": {"type": "boolean"}, "status": {"enum": ["queued", "duplicate"]},
+                        "transactionId": {"type": "string"}, "messageId": {"type": "string", "format": "uuid"},
+                        "partitionId": {"type": "string", "format": "uuid"}, "queueName": {"type": "string"},
+                        "partitionName": {"type": "string"}, "error": {"type": ["string", "null"]},
+                        "leaseReleased": {"type": "boolean"}, "dlq": {"type": "boolean"}}}}}},
+    "LeaseExtendResult": {"type": "object", "properties": {
+        "index": {"const": 0}, "leaseId": {"type": "string"}, "success": {"type": "boolean"},
+        "error": {"enum": [None, "Lease not found", "Lease already expired"]},
+        "expiresAt": {"type": ["string", "null"]}, "newExpiresAt": {"type": ["string", "null"]},
+        "renewed": {"type": "integer", "description": "partitions extended"}}},
 }

@@ -1,11 +1,13 @@
 -- =====================================================================
--- Migration 002: the log is tenant-scoped; byte limits on log names.
+-- Migration 002: the log is tenant-scoped; byte limits on log names;
+-- Queen's transaction and lease extension.
 --
 -- queen.queues gets a tenant (existing queues are 'default's, the
 -- QUEEN_AUTH=off tenant) and its name is unique per tenant. Every log
 -- function takes the tenant first (old signatures dropped); the fire
 -- appends into the queue of the timer's tenant. Queue and partition
--- names and transaction ids are at most 255 bytes (QTBAD).
+-- names and transaction ids are at most 255 bytes (QTBAD). New:
+-- queen.execute_transaction, queen.extend_lease (and their types).
 -- Function texts are the same as in sql/schema/.
 -- =====================================================================
 
@@ -847,5 +849,262 @@ BEGIN
            updated_at = v_now
      WHERE tenant = p_tenant AND queue = p_queue AND timer_key = p_timer_key;
     RETURN 'backoff';
+END
+$$;
+
+-- One operation of POST /api/v1/transaction, flattened: each pushed item
+-- and each ack is one. Build them with queen.txn_push / queen.txn_ack.
+CREATE TYPE queen.txn_op AS (
+    type            text,       -- push | ack
+    queue           text,       -- push
+    partition       text,       -- push; NULL: 'Default'
+    transaction_id  text,       -- push: NULL or '' generated; ack: required
+    trace_id        uuid,       -- push
+    payload         bytea,      -- push: the bytes to store
+    is_encrypted    boolean,    -- push
+    partition_id    uuid,       -- ack
+    status          text,       -- ack: completed (default) | success | failed | dlq | retry
+    error           text,       -- ack
+    lease_id        text,       -- ack: checked when non-empty (else the bundle's one required lease)
+    consumer_group  text        -- ack: NULL or '': '__QUEUE_MODE__'
+);
+
+-- One verdict per operation of a transaction, in input order.
+CREATE TYPE queen.txn_result AS (
+    idx             integer,    -- 0-based position among the flattened operations
+    type            text,       -- push | ack
+    success         boolean,
+    status          text,       -- push: queued | duplicate
+    transaction_id  text,
+    message_id      uuid,       -- push
+    partition_id    uuid,
+    queue_name      text,
+    partition_name  text,
+    error           text,       -- ack: NULL | 'Message not found' | 'Invalid or expired lease'
+    lease_released  boolean,
+    dlq             boolean
+);
+
+-- What a transaction did: everything (success) or nothing (failed_index
+-- names the operation that failed; results is empty).
+CREATE TYPE queen.txn_outcome AS (
+    transaction_id  uuid,
+    success         boolean,
+    error           text,
+    failed_index    integer,
+    results         queen.txn_result[]
+);
+
+-- A push operation of a transaction (psql: queen.txn_push('q', '{"a":1}')).
+CREATE FUNCTION queen.txn_push(
+    p_queue          text,
+    p_payload        bytea,
+    p_transaction_id text    DEFAULT NULL,
+    p_partition      text    DEFAULT NULL,
+    p_trace_id       uuid    DEFAULT NULL,
+    p_is_encrypted   boolean DEFAULT false)
+RETURNS queen.txn_op
+LANGUAGE sql IMMUTABLE AS $$
+    SELECT ROW('push', p_queue, p_partition, p_transaction_id, p_trace_id, p_payload, p_is_encrypted,
+               NULL, NULL, NULL, NULL, NULL)::queen.txn_op
+$$;
+
+-- An ack operation of a transaction.
+CREATE FUNCTION queen.txn_ack(
+    p_transaction_id text,
+    p_partition_id   uuid,
+    p_status         text DEFAULT 'completed',
+    p_lease_id       text DEFAULT NULL,
+    p_consumer_group text DEFAULT NULL,
+    p_error          text DEFAULT NULL)
+RETURNS queen.txn_op
+LANGUAGE sql IMMUTABLE AS $$
+    SELECT ROW('ack', NULL, NULL, p_transaction_id, NULL, NULL, NULL, p_partition_id, p_status, p_error,
+               p_lease_id, p_consumer_group)::queen.txn_op
+$$;
+
+-- Queen's transaction: pushes and acks, in order, all or nothing, in the
+-- tenant's queues. Each push is push_messages' (a transaction id already
+-- in the partition is 'duplicate', which makes a retried transaction
+-- idempotent); each ack is ack_messages', and an ack that does not
+-- succeed ('Message not found', 'Invalid or expired lease') undoes every
+-- operation before it: the outcome is success = false with failed_index
+-- and an empty results, and nothing is written. Every lease in
+-- p_required_leases must be held (unexpired) on one of the tenant's
+-- partitions, else nothing is done either; an ack without its own lease
+-- borrows the one required lease when exactly one is named. Push
+-- partitions are locked first, in (queue, partition) order. Shape errors
+-- raise QTBAD.
+CREATE FUNCTION queen.execute_transaction(
+    p_tenant          text,
+    p_ops             queen.txn_op[],
+    p_required_leases text[]      DEFAULT NULL,
+    p_producer_sub    text        DEFAULT NULL,
+    p_now             timestamptz DEFAULT NULL)
+RETURNS queen.txn_outcome
+LANGUAGE plpgsql AS $$
+DECLARE
+    v_now    timestamptz := coalesce(p_now, now());
+    v_id     uuid := gen_random_uuid();
+    v_out    queen.txn_result[] := '{}';
+    v_msg    text;
+    v_lease  text;
+    v_failed integer;
+    o        record;
+    pr       queen.push_result;
+    ar       queen.ack_result;
+BEGIN
+    IF p_tenant IS NULL OR p_tenant = '' THEN
+        RAISE EXCEPTION 'timers_bad_request' USING ERRCODE = 'QTBAD', DETAIL = 'tenant is required';
+    END IF;
+    IF p_ops IS NULL OR cardinality(p_ops) = 0 THEN
+        RAISE EXCEPTION 'timers_bad_request' USING ERRCODE = 'QTBAD', DETAIL = 'the transaction has no operations';
+    END IF;
+    SELECT CASE
+             WHEN x.type IS NULL OR x.type NOT IN ('push', 'ack')
+               THEN format('operation %s: unknown type %L', x.n - 1, x.type)
+             WHEN x.type = 'push' AND (x.queue IS NULL OR x.queue = '')
+               THEN format('operation %s: queue is required', x.n - 1)
+             WHEN x.type = 'push' AND x.partition = ''
+               THEN format('operation %s: partition may not be empty', x.n - 1)
+             WHEN x.type = 'push' AND x.payload IS NULL
+               THEN format('operation %s: payload is required', x.n - 1)
+             WHEN x.type = 'ack' AND (x.transaction_id IS NULL OR x.transaction_id = '')
+               THEN format('operation %s: transactionId is required', x.n - 1)
+             WHEN x.type = 'ack' AND x.partition_id IS NULL
+               THEN format('operation %s: partitionId is required', x.n - 1)
+             WHEN x.type = 'ack' AND x.status IS NOT NULL
+                  AND x.status NOT IN ('completed', 'success', 'failed', 'dlq', 'retry')
+               THEN format('operation %s: unknown status %L', x.n - 1, x.status)
+             WHEN NOT queen.log_name_fits(x.queue)
+               THEN format('operation %s: queue is %s bytes; at most 255', x.n - 1, octet_length(x.queue))
+             WHEN NOT queen.log_name_fits(x.partition)
+               THEN format('operation %s: partition is %s bytes; at most 255', x.n - 1, octet_length(x.partition))
+             ELSE format('operation %s: transactionId is %s bytes; at most 255', x.n - 1,
+                         octet_length(x.transaction_id))
+           END INTO v_msg
+      FROM unnest(p_ops) WITH ORDINALITY AS x(type, queue, partition, transaction_id, trace_id, payload,
+                                              is_encrypted, partition_id, status, error, lease_id,
+                                              consumer_group, n)
+     WHERE x.type IS NULL OR x.type NOT IN ('push', 'ack')
+        OR (x.type = 'push' AND (x.queue IS NULL OR x.queue = '' OR x.partition = '' OR x.payload IS NULL))
+        OR (x.type = 'ack' AND (x.transaction_id IS NULL OR x.transaction_id = '' OR x.partition_id IS NULL
+                                OR (x.status IS NOT NULL
+                                    AND x.status NOT IN ('completed', 'success', 'failed', 'dlq', 'retry'))))
+        OR NOT (queen.log_name_fits(x.queue) AND queen.log_name_fits(x.partition)
+                AND queen.log_name_fits(x.transaction_id))
+     ORDER BY x.n LIMIT 1;
+    IF v_msg IS NOT NULL THEN
+        RAISE EXCEPTION 'timers_bad_request' USING ERRCODE = 'QTBAD', DETAIL = v_msg;
+    END IF;
+
+    -- Every required lease must be held now, on one of the tenant's partitions.
+    SELECT l INTO v_msg
+      FROM unnest(p_required_leases) l
+     WHERE NOT EXISTS (
+           SELECT 1 FROM queen.partition_consumers pc
+             JOIN queen.partitions p ON p.id = pc.partition_id
+             JOIN queen.queues q ON q.id = p.queue_id
+            WHERE q.tenant = p_tenant AND pc.lease_id::text = lower(l) AND pc.lease_expires_at > v_now)
+     LIMIT 1;
+    IF FOUND THEN
+        RETURN ROW(v_id, false, format('Invalid or expired lease: %s', v_msg), NULL, '{}')::queen.txn_outcome;
+    END IF;
+    IF cardinality(p_required_leases) = 1 THEN
+        v_lease := nullif(p_required_leases[1], '');
+    END IF;
+
+    BEGIN
+        -- queues and partitions created here are undone too when an ack fails
+        PERFORM queen.lock_partition(p_tenant, d.queue, d.partition)
+           FROM (SELECT DISTINCT x.queue, coalesce(x.partition, 'Default') AS partition
+                   FROM unnest(p_ops) x WHERE x.type = 'push' ORDER BY 1, 2) d;
+        FOR o IN
+            SELECT x.*, (x.n - 1)::integer AS idx
+              FROM unnest(p_ops) WITH ORDINALITY AS x(type, queue, partition, transaction_id, trace_id, payload,
+                                                      is_encrypted, partition_id, status, error, lease_id,
+                                                      consumer_group, n)
+             ORDER BY x.n
+        LOOP
+            IF o.type = 'push' THEN
+                SELECT * INTO pr FROM queen.push_messages(p_tenant,
+                    ARRAY[ROW(o.queue, o.partition, o.transaction_id, o.trace_id, o.payload,
+                              o.is_encrypted)::queen.push_item], p_producer_sub);
+                v_out := v_out || ROW(o.idx, 'push', true, pr.status, pr.transaction_id, pr.message_id,
+                                      pr.partition_id, pr.queue_name, coalesce(o.partition, 'Default'),
+                                      NULL, false, false)::queen.txn_result;
+            ELSE
+                SELECT * INTO ar FROM queen.ack_messages(p_tenant,
+                    ARRAY[ROW(o.transaction_id, o.partition_id, o.status, o.error,
+                              coalesce(nullif(o.lease_id, ''), v_lease), o.consumer_group)::queen.ack_item], v_now);
+                IF NOT ar.success THEN
+                    v_failed := o.idx;
+                    v_msg := format('ACK operation failed: %s', ar.error);
+                    RAISE EXCEPTION 'transaction_failed' USING ERRCODE = 'QTTXF';
+                END IF;
+                v_out := v_out || ROW(o.idx, 'ack', true, NULL, ar.transaction_id, NULL, o.partition_id,
+                                      ar.queue_name, ar.partition_name, NULL, ar.lease_released,
+                                      ar.dlq)::queen.txn_result;
+            END IF;
+        END LOOP;
+    EXCEPTION WHEN SQLSTATE 'QTTXF' THEN
+        -- every write of the block (messages, cursors, DLQ rows, new queues) is undone
+        RETURN ROW(v_id, false, v_msg, v_failed, '{}')::queen.txn_outcome;
+    END;
+    RETURN ROW(v_id, true, NULL, NULL, v_out)::queen.txn_outcome;
+END
+$$;
+
+-- Queen's lease extension: push the expiry of the tenant's lease
+-- p_lease_id (every partition a pop leased under it) to at least
+-- now + p_seconds; never shortens it. A lease that is unknown, released
+-- (acked, failed, retried) or another tenant's answers 'Lease not found';
+-- one whose expiry has passed answers 'Lease already expired' (a pop may
+-- take the partition again). renewed counts the partitions extended.
+CREATE FUNCTION queen.extend_lease(
+    p_tenant   text,
+    p_lease_id text,
+    p_seconds  integer     DEFAULT 60,
+    p_now      timestamptz DEFAULT NULL)
+RETURNS TABLE (lease_id text, success boolean, error text, expires_at timestamptz, renewed integer)
+LANGUAGE plpgsql AS $$
+#variable_conflict use_column
+DECLARE
+    v_now     timestamptz := coalesce(p_now, now());
+    v_expires timestamptz;
+    v_n       integer;
+BEGIN
+    IF p_seconds IS NULL OR p_seconds < 1 OR p_seconds > 86400 THEN
+        RAISE EXCEPTION 'timers_bad_request' USING ERRCODE = 'QTBAD',
+            DETAIL = format('seconds must be an integer from 1 to 86400, not %s', p_seconds);
+    END IF;
+    WITH mine AS (
+        SELECT pc.partition_id, pc.consumer_group
+          FROM queen.partition_consumers pc
+          JOIN queen.partitions p ON p.id = pc.partition_id
+          JOIN queen.queues q ON q.id = p.queue_id
+         WHERE q.tenant = p_tenant AND pc.lease_id::text = lower(p_lease_id) AND pc.lease_expires_at > v_now
+         ORDER BY pc.partition_id, pc.consumer_group
+           FOR UPDATE OF pc
+    ), ext AS (
+        UPDATE queen.partition_consumers pc
+           SET lease_expires_at = greatest(pc.lease_expires_at, v_now + make_interval(secs => p_seconds))
+          FROM mine m
+         WHERE pc.partition_id = m.partition_id AND pc.consumer_group = m.consumer_group
+        RETURNING pc.lease_expires_at
+    )
+    SELECT count(*), max(ext.lease_expires_at) INTO v_n, v_expires FROM ext;
+    IF v_n > 0 THEN
+        RETURN QUERY SELECT p_lease_id, true, NULL::text, v_expires, v_n;
+        RETURN;
+    END IF;
+    RETURN QUERY
+    SELECT p_lease_id, false,
+           CASE WHEN EXISTS (SELECT 1 FROM queen.partition_consumers pc
+                               JOIN queen.partitions p ON p.id = pc.partition_id
+                               JOIN queen.queues q ON q.id = p.queue_id
+                              WHERE q.tenant = p_tenant AND pc.lease_id::text = lower(p_lease_id))
+                THEN 'Lease already expired' ELSE 'Lease not found' END,
+           NULL::timestamptz, 0;
 END
 $$;
