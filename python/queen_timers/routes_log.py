@@ -79,11 +79,18 @@ async def _json_body(request: Request) -> dict:
     return body
 
 
+def _no_nul(what: str, value: str | None) -> str | None:
+    """PostgreSQL text cannot hold NUL: refuse it as a shape error, not a database failure."""
+    if value is not None and "\x00" in value:
+        raise bad_request(f"{what} may not contain a NUL character")
+    return value
+
+
 def _opt_str(obj: dict, key: str, where: str) -> str | None:
     value = obj.get(key)
     if value is not None and not isinstance(value, str):
         raise bad_request(f"{where}{key} must be a string")
-    return value
+    return _no_nul(f"{where}{key}", value)
 
 
 def _uuid(value: object, what: str) -> uuid.UUID:
@@ -134,6 +141,7 @@ async def configure(request: Request) -> JSONResponse:
     queue = body.get("queue")
     if not isinstance(queue, str) or not queue:
         raise bad_request("queue is required (a non-empty string)")
+    _no_nul("queue", queue)
     namespace = _opt_str(body, "namespace", "")
     task = _opt_str(body, "task", "")
     options = body.get("options")
@@ -141,6 +149,7 @@ async def configure(request: Request) -> JSONResponse:
         options = {}
     if not isinstance(options, dict):
         raise bad_request("options must be an object")
+    _no_nul("options", json.dumps(options).replace("\\u0000", "\x00"))
     async with _conn(request) as conn:
         cur = await conn.execute(
             "SELECT * FROM queen.configure_queue(%s, %s, %s, %s, %s::jsonb)",
@@ -165,6 +174,7 @@ def _parse_push_item(item: object, where: str) -> tuple:
     queue = item.get("queue")
     if not isinstance(queue, str) or not queue:
         raise bad_request(f"{where}queue is required (a non-empty string)")
+    _no_nul(f"{where}queue", queue)
     partition = _opt_str(item, "partition", where) or "Default"
     txn = _opt_str(item, "transactionId", where) or None
     trace = item.get("traceId")
@@ -234,12 +244,12 @@ async def push(request: Request) -> JSONResponse:
 async def pop(request: Request) -> Response:
     principal = request.app.state.auth.require(request, READ_WRITE)
     settings = request.app.state.settings
-    queue = request.path_params["queue"]
-    partition = request.path_params.get("partition")
+    queue = _no_nul("queue", request.path_params["queue"])
+    partition = _no_nul("partition", request.path_params.get("partition"))
     batch = _int_param(request, "batch", 1, 1, MAX_BATCH)
     wait = _bool_param(request, "wait")
     timeout_ms = _int_param(request, "timeout", DEFAULT_POP_TIMEOUT_MS, 0, MAX_POP_TIMEOUT_MS)
-    group = request.query_params.get("consumerGroup") or QUEUE_MODE
+    group = _no_nul("consumerGroup", request.query_params.get("consumerGroup")) or QUEUE_MODE
     auto_ack = _bool_param(request, "autoAck")
 
     deadline = time.monotonic() + timeout_ms / 1000
@@ -287,6 +297,7 @@ def _parse_ack(obj: object, where: str, default_group: str | None) -> tuple:
     txn = obj.get("transactionId")
     if not isinstance(txn, str) or not txn:
         raise bad_request(f"{where}.transactionId is required (a string)")
+    _no_nul(f"{where}.transactionId", txn)
     partition_id = _uuid(obj.get("partitionId"), f"{where}.partitionId")
     status = obj.get("status")
     if status is not None and status not in ACK_STATUSES:
@@ -294,12 +305,15 @@ def _parse_ack(obj: object, where: str, default_group: str | None) -> tuple:
     error = obj.get("error")
     if error is not None and not isinstance(error, str):
         error = json.dumps(error)
+    _no_nul(f"{where}.error", error)
     lease = obj.get("leaseId")
     if lease is not None and not isinstance(lease, str):
         raise bad_request(f"{where}.leaseId must be a string")
+    _no_nul(f"{where}.leaseId", lease)
     group = obj.get("consumerGroup")
     if group is not None and not isinstance(group, str):
         raise bad_request(f"{where}.consumerGroup must be a string")
+    _no_nul(f"{where}.consumerGroup", group)
     return (txn, partition_id, status, error, lease, group or default_group)
 
 
@@ -333,6 +347,7 @@ async def ack_batch(request: Request) -> JSONResponse:
     group = body.get("consumerGroup")
     if group is not None and not isinstance(group, str):
         raise bad_request("consumerGroup must be a string")
+    _no_nul("consumerGroup", group)
     items = body.get("acknowledgments")
     if not isinstance(items, list):
         raise bad_request("acknowledgments is required (an array)")
@@ -353,7 +368,8 @@ async def get_message(request: Request) -> JSONResponse:
         return JSONResponse({"error": "Message not found"}, status_code=404)
     async with _conn(request) as conn:
         cur = await conn.execute("SELECT * FROM queen.get_message(%s, %s, %s)",
-                                 (principal.tenant, partition_id, request.path_params["transactionId"]))
+                                 (principal.tenant, partition_id,
+                                  _no_nul("transactionId", request.path_params["transactionId"])))
         r = await cur.fetchone()
     if r is None:
         return JSONResponse({"error": "Message not found"}, status_code=404)
@@ -378,8 +394,8 @@ async def get_message(request: Request) -> JSONResponse:
 
 async def list_dlq(request: Request) -> JSONResponse:
     principal = request.app.state.auth.require(request, READ_ONLY)
-    queue = request.query_params.get("queue") or None
-    group = request.query_params.get("consumerGroup") or None
+    queue = _no_nul("queue", request.query_params.get("queue")) or None
+    group = _no_nul("consumerGroup", request.query_params.get("consumerGroup")) or None
     limit = _int_param(request, "limit", 100, 1, 1000)
     offset = _int_param(request, "offset", 0, 0, 2**31 - 1)
     # `partition`, `from` and `to` are ignored, as Queen's dlq route does
@@ -470,6 +486,8 @@ async def transaction(request: Request) -> JSONResponse:
         required = []
     if not isinstance(required, list) or not all(isinstance(x, str) for x in required):
         raise bad_request("requiredLeases must be an array of strings")
+    for lease in required:
+        _no_nul("requiredLeases", lease)
 
     pushes: dict[int, tuple] = {}   # flat index -> parsed push item
     acks: dict[int, tuple] = {}     # flat index -> parsed ack
@@ -529,7 +547,7 @@ async def extend_lease(request: Request) -> JSONResponse:
     """Queen's POST /api/v1/lease/:leaseId/extend {seconds?: 60}: a one-element
     array {index, leaseId, success, error, expiresAt, newExpiresAt, renewed}."""
     principal = request.app.state.auth.require(request, READ_WRITE)
-    lease_id = request.path_params["leaseId"]
+    lease_id = _no_nul("leaseId", request.path_params["leaseId"])
     body = await _json_body(request) if (await request.body()).strip() else {}
     seconds = body.get("seconds")
     if seconds is None:

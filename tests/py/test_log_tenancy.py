@@ -204,3 +204,26 @@ def test_other_log_routes_refuse_names_over_255_bytes(client, db):
     assert_error(client.get("/api/v1/dlq", params={"queue": LONG_NAME}), 400, "timers_bad_request")
     assert counts(db) == {"q": 0, "m": 0, "p": 0}
     assert db.execute("SELECT count(*) AS n FROM queen.partition_consumers").fetchone()["n"] == 0
+
+
+def test_a_nul_character_in_a_name_is_400_not_a_database_failure(client, db):
+    part = "0190f1e2-aaaa-7bbb-8ccc-0123456789ab"
+    calls = [
+        client.post("/api/v1/configure", json={"queue": "a\x00b"}),
+        client.post("/api/v1/configure", json={"queue": "ok", "options": {"note": "a\x00b"}}),
+        client.post("/api/v1/push", json={"items": [{"queue": "a\x00b"}]}),
+        client.post("/api/v1/push", json={"items": [{"queue": "ok", "partition": "a\x00b"}]}),
+        client.post("/api/v1/push", json={"items": [{"queue": "ok", "transactionId": "a\x00b"}]}),
+        client.get("/api/v1/pop/queue/a%00b"),
+        client.get("/api/v1/pop/queue/ok", params={"consumerGroup": "a\x00b"}),
+        client.post("/api/v1/ack", json={"transactionId": "a\x00b", "partitionId": part}),
+        client.post("/api/v1/ack/batch", json={"acknowledgments": [
+            {"transactionId": "t", "partitionId": part, "leaseId": "a\x00b"}]}),
+        client.get(f"/api/v1/messages/{part}/a%00b"),
+        client.get("/api/v1/dlq", params={"queue": "a\x00b"}),
+        client.post("/api/v1/transaction", json={"operations": [{"type": "push", "items": [{"queue": "a\x00b"}]}]}),
+        client.post("/api/v1/lease/a%00b/extend", json={}),
+    ]
+    for r in calls:
+        assert "NUL" in assert_error(r, 400, "timers_bad_request")["detail"], r.request.url
+    assert counts(db) == {"q": 0, "m": 0, "p": 0}
