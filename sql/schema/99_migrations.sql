@@ -4,4 +4,5 @@
 -- =====================================================================
 INSERT INTO queen.schema_migrations (version, name) VALUES
     (1, 'initial'),
-    (10, 'timer_stats');
+    (2, 'log_tenancy'),
+    (3, 'timer_stats');

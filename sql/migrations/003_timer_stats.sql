@@ -1,4 +1,4 @@
--- 010: queen.get_timer_stats, the per-queue aggregates behind GET /api/v1/system/timers/stats
+-- 003: queen.get_timer_stats, the per-queue aggregates behind GET /api/v1/system/timers/stats
 -- (the operator dashboard). Read-only; no table changes.
 
 -- Aggregates of one tenant's pending timers, for an operator's dashboard
