@@ -69,6 +69,7 @@ class Settings:
     auth: str = "off"
     jwt_secret: str | None = None
     jwt_public_key: str | None = None
+    jwt_leeway_seconds: int = 5
     tenancy: bool = False
     # database capacity
     pool_min: int = 1
@@ -101,6 +102,7 @@ class Settings:
             auth=auth,
             jwt_secret=env.get("QUEEN_JWT_SECRET") or None,
             jwt_public_key=env.get("QUEEN_JWT_PUBLIC_KEY") or None,
+            jwt_leeway_seconds=_int(env, "QUEEN_JWT_LEEWAY_SECONDS", 5, 0),
             tenancy=_choice(env, "QUEEN_TENANCY", "off", ("off", "on")) == "on",
             pool_min=_int(env, "QUEEN_POOL_MIN", 1, 0),
             pool_max=_int(env, "QUEEN_POOL_MAX", 10, 1),
