@@ -9,6 +9,8 @@ import os
 import socket
 from dataclasses import dataclass, field
 
+from .bodies import default_max_body_bytes
+
 
 class ConfigError(ValueError):
     """A QUEEN_* variable has a value the broker cannot use."""
@@ -64,6 +66,7 @@ class Settings:
     # timers
     timers_horizon_ms: int = 90 * 24 * 3600 * 1000
     timers_max_ops: int = 256
+    max_body_bytes: int = 0  # from_env derives it from timers_max_ops when unset
     # security and tenancy
     encryption_key: bytes | None = None
     auth: str = "off"
@@ -97,7 +100,8 @@ class Settings:
             sweeper_backoff_ms=_int(env, "QUEEN_SWEEPER_BACKOFF_MS", 1000, 1),
             sweeper_backoff_max_ms=_int(env, "QUEEN_SWEEPER_BACKOFF_MAX_MS", 300000, 1),
             timers_horizon_ms=_int(env, "QUEEN_TIMERS_HORIZON_MS", 90 * 24 * 3600 * 1000, 1),
-            timers_max_ops=_int(env, "QUEEN_TIMERS_MAX_OPS", 256, 1),
+            timers_max_ops=(max_ops := _int(env, "QUEEN_TIMERS_MAX_OPS", 256, 1)),
+            max_body_bytes=_int(env, "QUEEN_MAX_BODY_BYTES", default_max_body_bytes(max_ops), 1),
             encryption_key=_key(env),
             auth=auth,
             jwt_secret=env.get("QUEEN_JWT_SECRET") or None,

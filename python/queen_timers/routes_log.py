@@ -23,6 +23,7 @@ from starlette.routing import Route
 
 from . import payloads
 from .auth import READ_ONLY, READ_WRITE
+from .bodies import read_json
 from .errors import ApiError, bad_request, from_exception
 
 QUEUE_MODE = "__QUEUE_MODE__"
@@ -63,15 +64,8 @@ def _s(value) -> str | None:
     return None if value is None else str(value)
 
 
-def _no_constant(name: str):
-    raise ValueError(f"{name} is not JSON")
-
-
 async def _json_body(request: Request) -> dict:
-    try:
-        body = json.loads(await request.body() or b"null", parse_constant=_no_constant)
-    except ValueError:
-        raise bad_request("the body is not valid JSON") from None
+    body = await read_json(request, empty=None)
     if not isinstance(body, dict):
         raise bad_request("the body must be a JSON object")
     return body

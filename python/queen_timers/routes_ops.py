@@ -12,13 +12,13 @@ DBA can flip it from psql with no broker running.
 
 from __future__ import annotations
 
-import json
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from .auth import ADMIN
+from .bodies import read_json
 from .errors import ApiError, bad_request, from_exception
 from .metrics import CONTENT_TYPE
 
@@ -31,11 +31,7 @@ def _status_body(row: dict) -> dict:
 
 
 async def _paused_flag(request: Request) -> bool:
-    raw = await request.body()
-    try:
-        body = json.loads(raw or b"null")
-    except ValueError:
-        raise bad_request("body must be JSON: {\"paused\": true|false}") from None
+    body = await read_json(request, empty=None)
     if not isinstance(body, dict):
         raise bad_request("body must be a JSON object: {\"paused\": true|false}")
     unknown = sorted(set(body) - {"paused"})

@@ -13,7 +13,6 @@ every state change is one queen.* call. SQLSTATE -> HTTP is errors.py.
 
 from __future__ import annotations
 
-import json
 import logging
 from datetime import datetime, timezone
 from urllib.parse import unquote_to_bytes
@@ -24,6 +23,7 @@ from starlette.routing import Route
 
 from . import payloads
 from .auth import READ_ONLY, READ_WRITE, WRITE_ONLY
+from .bodies import read_json
 from .errors import ApiError, bad_request, from_exception
 from .openapi import openapi_endpoint
 
@@ -280,11 +280,7 @@ def _encrypt_ops(ops: list[dict], encrypting: set[str], key: bytes | None) -> No
 async def schedule(request: Request) -> JSONResponse:
     principal = request.app.state.auth.require(request, WRITE_ONLY)
     settings = request.app.state.settings
-    raw = await request.body()
-    try:
-        body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError):
-        raise bad_request("the body is not valid JSON") from None
+    body = await read_json(request)
     ops = _parse_ops(body, settings.timers_max_ops)
 
     async def work(conn):
