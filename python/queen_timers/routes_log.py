@@ -25,6 +25,7 @@ from . import payloads
 from .auth import READ_ONLY, READ_WRITE
 from .bodies import read_json
 from .errors import ApiError, bad_request, from_exception
+from .limits import check_name
 
 QUEUE_MODE = "__QUEUE_MODE__"
 ACK_STATUSES = ("completed", "success", "failed", "dlq", "retry")
@@ -126,6 +127,7 @@ async def configure(request: Request) -> JSONResponse:
     queue = body.get("queue")
     if not isinstance(queue, str) or not queue:
         raise bad_request("queue is required (a non-empty string)")
+    check_name("queue", queue)
     namespace = _opt_str(body, "namespace", "")
     task = _opt_str(body, "task", "")
     options = body.get("options")
@@ -164,12 +166,19 @@ async def push(request: Request) -> JSONResponse:
         queue = item.get("queue")
         if not isinstance(queue, str) or not queue:
             raise bad_request(f"{where}queue is required (a non-empty string)")
+        check_name("queue", queue, where)
         partition = _opt_str(item, "partition", where) or "Default"
+        check_name("partition", partition, where)
         txn = _opt_str(item, "transactionId", where) or None
+        if txn is not None:
+            check_name("transactionId", txn, where)
         trace = item.get("traceId")
         trace_id = None if trace is None else _uuid(trace, f"{where}traceId")
         payload = item.get("payload", {})
-        data = json.dumps(payload, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+        try:
+            data = json.dumps(payload, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            raise bad_request(f"{where}payload is not valid Unicode (a lone surrogate)") from None
         parsed.append((queue, partition, txn, trace_id, data))
     if not parsed:
         return JSONResponse([], status_code=201)
@@ -217,6 +226,9 @@ async def pop(request: Request) -> Response:
     settings = request.app.state.settings
     queue = request.path_params["queue"]
     partition = request.path_params.get("partition")
+    check_name("queue", queue)
+    if partition is not None:
+        check_name("partition", partition)
     batch = _int_param(request, "batch", 1, 1, MAX_BATCH)
     wait = _bool_param(request, "wait")
     timeout_ms = _int_param(request, "timeout", DEFAULT_POP_TIMEOUT_MS, 0, MAX_POP_TIMEOUT_MS)
@@ -268,6 +280,7 @@ def _parse_ack(obj: object, where: str, default_group: str | None) -> tuple:
     txn = obj.get("transactionId")
     if not isinstance(txn, str) or not txn:
         raise bad_request(f"{where}.transactionId is required (a string)")
+    check_name("transactionId", txn, f"{where}.")
     partition_id = _uuid(obj.get("partitionId"), f"{where}.partitionId")
     status = obj.get("status")
     if status is not None and status not in ACK_STATUSES:
@@ -331,6 +344,7 @@ async def get_message(request: Request) -> JSONResponse:
         partition_id = uuid.UUID(request.path_params["partitionId"])
     except ValueError:
         return JSONResponse({"error": "Message not found"}, status_code=404)
+    check_name("transactionId", request.path_params["transactionId"])
     async with _conn(request) as conn:
         cur = await conn.execute("SELECT * FROM queen.get_message(%s, %s)",
                                  (partition_id, request.path_params["transactionId"]))
@@ -359,6 +373,8 @@ async def get_message(request: Request) -> JSONResponse:
 async def list_dlq(request: Request) -> JSONResponse:
     request.app.state.auth.require(request, READ_ONLY)
     queue = request.query_params.get("queue") or None
+    if queue is not None:
+        check_name("queue", queue)
     group = request.query_params.get("consumerGroup") or None
     limit = _int_param(request, "limit", 100, 1, 1000)
     offset = _int_param(request, "offset", 0, 0, 2**31 - 1)

@@ -295,3 +295,122 @@ def test_an_unexpected_error_is_a_json_500_and_the_broker_lives_on(spawn_broker,
         assert post(c, op("schedule", "still-works")).status_code == 200
     assert b.alive()
     assert "TypeError" in b.log()
+
+
+# ---------------------------------------------------------------------------
+# limits on names, in UTF-8 bytes: queue 255, timerKey 1024, txn 255, partition 255
+# ---------------------------------------------------------------------------
+
+OVER = [
+    ("queue", {"queue": "q" * 256}, "queue is 256 bytes"),
+    ("timerKey", {"key": "k" * 1025}, "timerKey is 1025 bytes"),
+    ("timerKey 3 MB", {"key": "k" * 3_000_000}, "timerKey is 3000000 bytes"),
+    ("timerKey in bytes", {"key": "€" * 342}, "timerKey is 1026 bytes"),
+    ("txn", {"txn": "t" * 256}, "txn is 256 bytes"),
+    ("partition", {"partition": "p" * 256}, "partition is 256 bytes"),
+    ("lone surrogate", {"key": "k\ud800"}, "not valid Unicode"),
+]
+
+
+@pytest.mark.parametrize("name, fields, detail", OVER, ids=[o[0] for o in OVER])
+def test_a_name_over_its_limit_is_400_on_post(client, db, name, fields, detail):
+    key = fields.pop("key", "k")
+    queue = fields.pop("queue", "reminders")
+    # sent as ASCII JSON: a lone surrogate is legal JSON text ("\ud800") but no Unicode string
+    content = json.dumps({"operations": [op("schedule", "fine"), op("schedule", key, queue=queue, **fields)]})
+    r = client.post("/api/v1/timers", content=content.encode(), headers={"content-type": "application/json"})
+    body = assert_json_error(r, 400, "timers_bad_request")
+    assert detail in body["detail"], body
+    assert written(db) == NOTHING
+    assert_still_healthy(client, db)
+
+
+def test_names_at_their_limits_are_accepted(client, db):
+    r = post(client, op("schedule", "k" * 1024, queue="q" * 255, txn="t" * 255, partition="p" * 255),
+             op("schedule", "€" * 341, queue="é" * 127, txn="€" * 85))
+    assert r.status_code == 200, r.text
+    assert [v["status"] for v in r.json()] == ["scheduled", "scheduled"]
+    r = client.get("/api/v1/timers/" + "q" * 255 + "/" + "k" * 1024)
+    assert r.json()["found"] is True and r.json()["txn"] == "t" * 255
+    r = client.get("/api/v1/timers/" + "q" * 255, params={"after": "a" * 1024})
+    assert [row["timerKey"] for row in r.json()["rows"]] == ["k" * 1024]
+    r = client.delete("/api/v1/timers/" + "q" * 255 + "/" + "k" * 1024, params={"txn": "t" * 255})
+    assert r.json()["status"] == "cancelled"
+
+
+@pytest.mark.parametrize("method, path, params, detail", [
+    ("GET", "/api/v1/timers/q/" + "k" * 1025, {}, "timerKey is 1025 bytes"),
+    ("DELETE", "/api/v1/timers/q/" + "k" * 1025, {}, "timerKey is 1025 bytes"),
+    ("DELETE", "/api/v1/timers/q/" + "%E2%82%AC" * 342, {}, "timerKey is 1026 bytes"),
+    ("GET", "/api/v1/timers/" + "q" * 256 + "/k", {}, "queue is 256 bytes"),
+    ("DELETE", "/api/v1/timers/" + "q" * 256 + "/k", {}, "queue is 256 bytes"),
+    ("GET", "/api/v1/timers/" + "q" * 256, {}, "queue is 256 bytes"),
+    ("GET", "/api/v1/timers/q", {"after": "a" * 1025}, "after is 1025 bytes"),
+    ("DELETE", "/api/v1/timers/q/k", {"txn": "t" * 256}, "txn is 256 bytes"),
+    ("GET", "/api/v1/timers/q/" + "k" * 12_000, {}, "timerKey is 12000 bytes"),
+    ("DELETE", "/api/v1/timers/q/" + "k" * 12_000, {}, "timerKey is 12000 bytes"),
+])
+def test_a_path_or_query_name_over_its_limit_is_400(client, db, method, path, params, detail):
+    post(client, op("schedule", "k"))
+    before = db.execute("SELECT timer_key, message_id FROM queen.timers").fetchall()
+    r = client.request(method, path, params=params)
+    body = assert_json_error(r, 400, "timers_bad_request")
+    assert detail in body["detail"], body
+    assert db.execute("SELECT timer_key, message_id FROM queen.timers").fetchall() == before
+    assert_still_healthy(client, db)
+
+
+@pytest.mark.parametrize("method", ["GET", "DELETE"])
+def test_a_huge_key_in_the_path_is_a_json_400(client, db, method):
+    """Past what the HTTP parser takes in one request head (h11: 16 KiB by
+    default), the answer is still the documented JSON, not a bare 400/414."""
+    path = "/api/v1/timers/q/" + "k" * 3_000_000
+    with socket.create_connection(("127.0.0.1", client.base_url.port), timeout=20) as sock:
+        try:
+            sock.sendall(f"{method} {path} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+        except OSError:
+            pass  # the server may answer and close before it has read it all
+        status, headers, body = read_response(sock)
+    assert status == 400, body
+    assert headers["content-type"].startswith("application/json"), headers
+    answer = json.loads(body)
+    assert answer["error"] == "timers_bad_request" and answer["detail"], answer
+    assert_still_healthy(client, db)
+
+
+# the log routes check the same numbers before any SQL
+
+LOG_OVER = [
+    ("POST", "/api/v1/push", {"items": [{"queue": "q" * 256, "payload": 1}]}, "queue is 256 bytes"),
+    ("POST", "/api/v1/push", {"items": [{"queue": "q", "payload": 1},
+                                        {"queue": "q", "partition": "p" * 256, "payload": 1}]},
+     "items[1].partition is 256 bytes"),
+    ("POST", "/api/v1/push", {"items": [{"queue": "q", "transactionId": "t" * 256, "payload": 1}]},
+     "transactionId is 256 bytes"),
+    ("POST", "/api/v1/push", {"items": [{"queue": "q", "transactionId": "é" * 128, "payload": 1}]},
+     "transactionId is 256 bytes"),
+    ("POST", "/api/v1/push", {"items": [{"queue": "q", "payload": "\ud800"}]}, "not valid Unicode"),
+    ("POST", "/api/v1/configure", {"queue": "q" * 256}, "queue is 256 bytes"),
+    ("POST", "/api/v1/ack", {"transactionId": "t" * 256, "partitionId": "00000000-0000-0000-0000-000000000000"},
+     "transactionId is 256 bytes"),
+    ("POST", "/api/v1/ack/batch", {"acknowledgments": [
+        {"transactionId": "t" * 256, "partitionId": "00000000-0000-0000-0000-000000000000"}]},
+     "transactionId is 256 bytes"),
+    ("GET", "/api/v1/pop/queue/" + "q" * 256, None, "queue is 256 bytes"),
+    ("GET", "/api/v1/pop/queue/q/partition/" + "p" * 256, None, "partition is 256 bytes"),
+    ("GET", "/api/v1/messages/00000000-0000-0000-0000-000000000000/" + "t" * 256, None,
+     "transactionId is 256 bytes"),
+    ("GET", "/api/v1/dlq?queue=" + "q" * 256, None, "queue is 256 bytes"),
+]
+
+
+@pytest.mark.parametrize("method, path, body, detail", LOG_OVER)
+def test_log_routes_refuse_names_over_their_limits(client, db, method, path, body, detail):
+    content = None if body is None else json.dumps(body).encode()
+    r = client.request(method, path, content=content, headers={"content-type": "application/json"})
+    answer = assert_json_error(r, 400, "timers_bad_request")
+    assert detail in answer["detail"], answer
+    assert written(db) == NOTHING
+    r = client.post("/api/v1/push", json={"items": [{"queue": "q" * 255, "partition": "p" * 255,
+                                                     "transactionId": "t" * 255, "payload": 1}]})
+    assert r.status_code == 201 and r.json()[0]["status"] == "queued", r.text
