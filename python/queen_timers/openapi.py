@@ -69,16 +69,19 @@ SCHEMAS: dict[str, dict] = {
                        "the server and refused (400), as is any unknown field.",
         "properties": {
             "op": {"type": "string", "enum": ["schedule", "reschedule", "cancel"]},
-            "queue": {"type": "string", "minLength": 1, "description": "destination queue"},
+            "queue": {"type": "string", "minLength": 1,
+                      "description": "destination queue; at most 255 bytes of UTF-8"},
             "timerKey": {"type": "string", "minLength": 1,
-                         "description": "identity, with the queue and the tenant"},
+                         "description": "identity, with the queue and the tenant; at most 1024 bytes "
+                                        "of UTF-8"},
             "delayMs": {"type": "integer", "description": "milliseconds from PostgreSQL's now(); "
                         "a value in the past is legal and fires on the first cycle"},
             "txn": {"type": "string", "minLength": 1, "description": "transaction id the frame "
                     "will carry; required for schedule, minted by the server when a reschedule "
-                    "omits it, echoed by cancel"},
+                    "omits it, echoed by cancel; at most 255 bytes of UTF-8"},
             "payload": {"type": "string", "contentEncoding": "base64"},
-            "partition": {"type": "string", "minLength": 1, "default": "Default"},
+            "partition": {"type": "string", "minLength": 1, "default": "Default",
+                          "description": "at most 255 bytes of UTF-8"},
             "payloadZstd": {"type": "boolean", "default": False},
             "encrypted": {"type": "boolean", "description": "refused when the destination queue "
                           "encrypts at rest: the broker sets it"},

@@ -247,6 +247,27 @@ def test_a_timer_payload_nested_2000_deep_is_delivered_as_base64_not_a_500(clien
     assert popped["data"] == b64(DEEP) == popped["payloadBase64"]
 
 
+def pop_one(c, queue: str) -> dict:
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        p = c.get(f"/api/v1/pop/queue/{queue}", params={"wait": "true", "timeout": "2000"})
+        assert p.status_code in (200, 204), p.text
+        if p.status_code == 200:
+            return p.json()["messages"][0]
+    raise AssertionError("the timer did not fire")
+
+
+def test_a_deep_payload_flagged_encrypted_pops_as_stored_not_a_500(broker_factory, db):
+    """`encrypted: true` on a queue that does not encrypt: the frame is flagged,
+    the key is loaded, and the bytes are no envelope (a 2,000-deep array)."""
+    b = broker_factory(QUEEN_ENCRYPTION_KEY="11" * 32)
+    with b.client() as c:
+        r = post(c, op("schedule", "deep", queue="flagged", delayMs=-1000, payload=b64(DEEP), encrypted=True))
+        assert r.status_code == 200, r.text
+        popped = pop_one(c, "flagged")
+    assert popped["payloadBase64"] == b64(DEEP)
+
+
 # ---------------------------------------------------------------------------
 # unknown routes, wrong methods, unexpected errors: JSON too
 # ---------------------------------------------------------------------------
