@@ -25,7 +25,9 @@ from starlette.routing import Route
 
 from . import payloads
 from .auth import READ_ONLY, READ_WRITE
+from .bodies import read_json
 from .errors import ApiError, bad_request, from_exception
+from .limits import check_name
 
 QUEUE_MODE = "__QUEUE_MODE__"
 ACK_STATUSES = ("completed", "success", "failed", "dlq", "retry")
@@ -65,15 +67,8 @@ def _s(value) -> str | None:
     return None if value is None else str(value)
 
 
-def _no_constant(name: str):
-    raise ValueError(f"{name} is not JSON")
-
-
 async def _json_body(request: Request) -> dict:
-    try:
-        body = json.loads(await request.body() or b"null", parse_constant=_no_constant)
-    except ValueError:
-        raise bad_request("the body is not valid JSON") from None
+    body = await read_json(request, empty=None)
     if not isinstance(body, dict):
         raise bad_request("the body must be a JSON object")
     return body
@@ -142,6 +137,7 @@ async def configure(request: Request) -> JSONResponse:
     if not isinstance(queue, str) or not queue:
         raise bad_request("queue is required (a non-empty string)")
     _no_nul("queue", queue)
+    check_name("queue", queue)
     namespace = _opt_str(body, "namespace", "")
     task = _opt_str(body, "task", "")
     options = body.get("options")
@@ -174,13 +170,19 @@ def _parse_push_item(item: object, where: str) -> tuple:
     queue = item.get("queue")
     if not isinstance(queue, str) or not queue:
         raise bad_request(f"{where}queue is required (a non-empty string)")
-    _no_nul(f"{where}queue", queue)
+    check_name("queue", queue, where)
     partition = _opt_str(item, "partition", where) or "Default"
+    check_name("partition", partition, where)
     txn = _opt_str(item, "transactionId", where) or None
+    if txn is not None:
+        check_name("transactionId", txn, where)
     trace = item.get("traceId")
     trace_id = None if trace is None else _uuid(trace, f"{where}traceId")
     payload = item.get("payload", {})
-    data = json.dumps(payload, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    try:
+        data = json.dumps(payload, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        raise bad_request(f"{where}payload is not valid Unicode (a lone surrogate)") from None
     return (queue, partition, txn, trace_id, data)
 
 
@@ -246,6 +248,9 @@ async def pop(request: Request) -> Response:
     settings = request.app.state.settings
     queue = _no_nul("queue", request.path_params["queue"])
     partition = _no_nul("partition", request.path_params.get("partition"))
+    check_name("queue", queue)
+    if partition is not None:
+        check_name("partition", partition)
     batch = _int_param(request, "batch", 1, 1, MAX_BATCH)
     wait = _bool_param(request, "wait")
     timeout_ms = _int_param(request, "timeout", DEFAULT_POP_TIMEOUT_MS, 0, MAX_POP_TIMEOUT_MS)
@@ -297,7 +302,7 @@ def _parse_ack(obj: object, where: str, default_group: str | None) -> tuple:
     txn = obj.get("transactionId")
     if not isinstance(txn, str) or not txn:
         raise bad_request(f"{where}.transactionId is required (a string)")
-    _no_nul(f"{where}.transactionId", txn)
+    check_name("transactionId", txn, f"{where}.")
     partition_id = _uuid(obj.get("partitionId"), f"{where}.partitionId")
     status = obj.get("status")
     if status is not None and status not in ACK_STATUSES:
@@ -366,6 +371,7 @@ async def get_message(request: Request) -> JSONResponse:
         partition_id = uuid.UUID(request.path_params["partitionId"])
     except ValueError:
         return JSONResponse({"error": "Message not found"}, status_code=404)
+    check_name("transactionId", request.path_params["transactionId"])
     async with _conn(request) as conn:
         cur = await conn.execute("SELECT * FROM queen.get_message(%s, %s, %s)",
                                  (principal.tenant, partition_id,
@@ -396,6 +402,8 @@ async def list_dlq(request: Request) -> JSONResponse:
     principal = request.app.state.auth.require(request, READ_ONLY)
     queue = _no_nul("queue", request.query_params.get("queue")) or None
     group = _no_nul("consumerGroup", request.query_params.get("consumerGroup")) or None
+    if queue is not None:
+        check_name("queue", queue)
     limit = _int_param(request, "limit", 100, 1, 1000)
     offset = _int_param(request, "offset", 0, 0, 2**31 - 1)
     # `partition`, `from` and `to` are ignored, as Queen's dlq route does

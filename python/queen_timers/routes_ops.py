@@ -17,7 +17,6 @@ timer list, and this route is not one.
 
 from __future__ import annotations
 
-import json
 from datetime import timezone
 
 from starlette.requests import Request
@@ -25,7 +24,8 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from .auth import ADMIN, READ_ONLY
-from .errors import ApiError, bad_request, from_exception
+from .bodies import read_json
+from .errors import bad_request, from_exception
 from .metrics import CONTENT_TYPE
 
 STATUS_SQL = "SELECT * FROM queen.get_timer_status()"
@@ -39,11 +39,7 @@ def _status_body(row: dict) -> dict:
 
 
 async def _paused_flag(request: Request) -> bool:
-    raw = await request.body()
-    try:
-        body = json.loads(raw or b"null")
-    except ValueError:
-        raise bad_request("body must be JSON: {\"paused\": true|false}") from None
+    body = await read_json(request, empty=None)
     if not isinstance(body, dict):
         raise bad_request("body must be a JSON object: {\"paused\": true|false}")
     unknown = sorted(set(body) - {"paused"})

@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import json
 import re
+import time
 import uuid
 
 import jwt
@@ -303,8 +304,8 @@ def test_encrypted_queue_round_trip(broker_factory, db):
 
 
 def _token(role: str, sub: str = "svc-a") -> dict:
-    return {"Authorization": "Bearer " + jwt.encode({"sub": sub, "role": role, "tenant": "default"},
-                                                    JWT_SECRET, algorithm="HS256")}
+    claims = {"sub": sub, "role": role, "tenant": "default", "exp": int(time.time()) + 600}
+    return {"Authorization": "Bearer " + jwt.encode(claims, JWT_SECRET, algorithm="HS256")}
 
 
 def test_access_levels_and_producer_sub_from_the_credential(broker_factory, db):
