@@ -34,7 +34,10 @@ import pytest
 from psycopg.rows import dict_row
 
 from conftest import ROOT, free_port, start_broker
+from psycopg.conninfo import conninfo_to_dict
+
 from queen_timers.config import ConfigError, Settings
+from queen_timers.db import conninfo
 
 pytestmark = pytest.mark.slow
 
@@ -135,8 +138,25 @@ def test_urls_are_checked_at_start():
         Settings.from_env({"QUEEN_DATABASE_URL": "postgresql://x/q", "QUEEN_CONNECT_TIMEOUT_S": "0"})
 
 
+def test_broker_defaults_fill_only_what_the_url_leaves_unset(monkeypatch):
+    for var in ("PGTARGETSESSIONATTRS", "PGCONNECT_TIMEOUT", "PGTCPUSERTIMEOUT", "PGKEEPALIVES"):
+        monkeypatch.delenv(var, raising=False)
+    s = Settings.from_env({"QUEEN_DATABASE_URL": "postgresql://h1:1,h2:2/q", "QUEEN_CONNECT_TIMEOUT_S": "3"})
+    got = conninfo_to_dict(conninfo(s.database_url, s))
+    assert got["host"] == "h1,h2" and got["port"] == "1,2"
+    assert got["target_session_attrs"] == "read-write" and got["connect_timeout"] == "3"
+    assert got["keepalives"] == "1" and got["tcp_user_timeout"] == "10000"
+    # the URL wins; the read pool gets no read-write rule
+    mine = conninfo_to_dict(conninfo("host=a,b target_session_attrs=any connect_timeout=9 tcp_user_timeout=1", s))
+    assert (mine["target_session_attrs"], mine["connect_timeout"], mine["tcp_user_timeout"]) == ("any", "9", "1")
+    assert "target_session_attrs" not in conninfo_to_dict(conninfo("host=a,b", s, writable=False))
+
+
 def test_peek_and_list_read_the_standby_verdicts_go_to_the_primary(pair, tmp_path):
-    b = start_broker(pair.multi, tmp_path, QUEEN_BROKER_ID="reads", QUEEN_READ_DATABASE_URL=pair.standby)
+    # the primary listed first: libpq's prefer-standby still picks the standby for reads
+    reads = (f"postgresql://postgres@127.0.0.1:{pair.primary_port},127.0.0.1:{pair.standby_port}/{DB}"
+             "?target_session_attrs=prefer-standby")
+    b = start_broker(pair.multi, tmp_path, QUEEN_BROKER_ID="reads", QUEEN_READ_DATABASE_URL=reads)
     try:
         with connect(pair.primary) as prim, connect(pair.standby) as stby, b.client() as c:
             r = post(c, schedule_op("r1"))
@@ -196,6 +216,8 @@ def test_fenced_primary_connections_are_discarded_not_reused(pair, tmp_path):
                 # the first request may meet the pooled connection (25006); each answers 503
                 for _ in range(3):
                     assert_503(post(c, schedule_op("f2")))
+                h = c.get("/health")
+                assert h.status_code == 503 and h.json()["database"] == "disconnected", h.text
                 # no connection of this broker stays on the read-only server (and libpq's
                 # target_session_attrs=read-write refuses new ones)
                 wait_until(lambda: prim.execute(mine).fetchone()["n"] == 0, 15, 0.2,
