@@ -11,9 +11,9 @@ default when the URL sets none) picks the one that accepts writes. After a
 promotion the broker's connections to the old primary break; every new
 connection lands on the new primary by the same rule. The broker adds no
 cluster protocol of its own: it only bounds every wait (connect_timeout,
-TCP keepalives, tcp_user_timeout) and discards a connection whose server
-turned read-only (a standby, or a primary fenced with
-default_transaction_read_only) instead of reusing it.
+TCP keepalives, tcp_user_timeout) and discards a pooled connection whose
+server closed it or turned read-only (a standby, or a primary fenced with
+default_transaction_read_only) instead of handing it to a request.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
+from time import monotonic
 
 import psycopg
 from psycopg import AsyncConnection
@@ -95,29 +96,55 @@ def read_only_server(conn: psycopg.AsyncConnection | psycopg.Connection) -> bool
 
 def _check_alive(conn: AsyncConnection) -> None:
     """Read what the server sent while the connection sat idle, without blocking
-    (libpq's socket is non-blocking): a closed peer shows up as an error here, so a
-    request never gets a connection whose server is already gone."""
-    conn.pgconn.consume_input()
-    if conn.pgconn.status != ConnStatus.OK:
+    (libpq's socket is non-blocking) and without a round trip: a closed peer shows up
+    as an error here, so a request never gets a connection whose server is already gone.
+
+    A terminated backend sends an error message and then closes: the first read takes
+    the message, parsing it (is_busy) turns it into a notice and applies any
+    ParameterStatus, and the second read meets the end of the stream."""
+    pg = conn.pgconn
+    pg.consume_input()
+    pg.is_busy()
+    pg.consume_input()
+    if pg.status != ConnStatus.OK:
         raise psycopg.OperationalError("the connection is broken")
 
 
-async def check_writable(conn: AsyncConnection) -> None:
-    """psycopg_pool `check` of the primary pool: alive, and not on a read-only server.
-
-    A connection on a read-only server is closed before raising: the pool puts
-    a failed-check connection back unless it is closed, and this one must be
-    discarded, not handed to the next request."""
+async def check(conn: AsyncConnection, *, writable: bool) -> None:
+    """Alive, and (writable=True) not on a read-only server. Raises psycopg.Error."""
     _check_alive(conn)
-    if read_only_server(conn):
-        log.warning("discarding a pooled connection: its server is read-only (a standby, or fenced)")
-        await conn.close()
-        raise ReadOnlyServer("the server is read-only")
+    if writable and read_only_server(conn):
+        raise ReadOnlyServer("the server is read-only (a standby, or fenced)")
 
 
-async def check_readable(conn: AsyncConnection) -> None:
-    """psycopg_pool `check` of the read pool: alive (a standby is what it wants)."""
-    _check_alive(conn)
+class BrokerPool(AsyncConnectionPool):
+    """psycopg_pool's pool, with a checkout check that costs no round trip.
+
+    A connection that fails the check (its server closed it, or turned read-only)
+    is closed and returned, so the pool discards it and opens a replacement, and
+    the request takes the next one at once. psycopg_pool's own `check` callback
+    would sleep a backoff of 1 s, 2 s... between failed checks: after a failover
+    every idle connection is stale, and a request would spend its whole
+    QUEEN_POOL_TIMEOUT_MS stepping over them."""
+
+    def __init__(self, *args, writable: bool, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.writable = writable
+
+    async def getconn(self, timeout: float | None = None) -> AsyncConnection:
+        deadline = monotonic() + (self.timeout if timeout is None else timeout)
+        while True:
+            conn = await super().getconn(timeout=max(deadline - monotonic(), 0.0))
+            try:
+                await check(conn, writable=self.writable)
+            except psycopg.Error as exc:
+                log.info("pool %s: discarding a connection (%s)", self.name, str(exc).splitlines()[0])
+                try:
+                    await conn.close()
+                finally:
+                    await self.putconn(conn)  # closed: the pool drops it and adds a new one
+                continue
+            return conn
 
 
 async def _reconnect_failed(pool: AsyncConnectionPool) -> None:
@@ -125,18 +152,18 @@ async def _reconnect_failed(pool: AsyncConnectionPool) -> None:
                 pool.name, POOL_RECONNECT_TIMEOUT_S)
 
 
-def make_pool(settings: Settings, *, read: bool = False) -> AsyncConnectionPool:
+def make_pool(settings: Settings, *, read: bool = False) -> BrokerPool:
     """The request pool (read=False: the primary) or the read pool (QUEEN_READ_DATABASE_URL)."""
     url = settings.read_database_url if read else settings.database_url
     assert url is not None
     role = "queen-broker-read" if read else "queen-broker"
-    return AsyncConnectionPool(
+    return BrokerPool(
         conninfo(url, settings, writable=not read),
+        writable=not read,
         min_size=settings.pool_min,
         max_size=settings.pool_max,
         timeout=settings.pool_timeout_ms / 1000,
         kwargs=connect_kwargs(settings, f"{role}:{settings.broker_id}"),
-        check=check_readable if read else check_writable,
         reconnect_timeout=POOL_RECONNECT_TIMEOUT_S,
         reconnect_failed=_reconnect_failed,
         open=False,

@@ -152,6 +152,26 @@ def test_broker_defaults_fill_only_what_the_url_leaves_unset(monkeypatch):
     assert "target_session_attrs" not in conninfo_to_dict(conninfo("host=a,b", s, writable=False))
 
 
+def test_pooled_connections_whose_backend_died_are_replaced_not_served(db, spawn_broker):
+    """The pool's checkout check notices a connection whose server end is gone (here the
+    backends are terminated; after a failover they are the old primary's) without a round
+    trip, and hands the request a fresh one: 200, not 503."""
+    b = spawn_broker(QUEEN_BROKER_ID="checked", QUEEN_POOL_MIN="3")
+    mine = "SELECT pid FROM pg_stat_activity WHERE application_name = 'queen-broker:checked'"
+    with b.client() as c:
+        assert post(c, schedule_op("c0")).status_code == 200
+        wait_until(lambda: len(db.execute(mine).fetchall()) >= 3, 10, message="the pool to fill")
+        before = {r["pid"] for r in db.execute(mine)}
+        db.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
+                   " WHERE application_name = 'queen-broker:checked'")
+        time.sleep(0.3)
+        for n in range(5):
+            r = post(c, schedule_op(f"c{n + 1}"))
+            assert r.status_code == 200, r.text
+        after = {r["pid"] for r in db.execute(mine)}
+        assert after and not (after & before)
+
+
 def test_peek_and_list_read_the_standby_verdicts_go_to_the_primary(pair, tmp_path):
     # the primary listed first: libpq's prefer-standby still picks the standby for reads
     reads = (f"postgresql://postgres@127.0.0.1:{pair.primary_port},127.0.0.1:{pair.standby_port}/{DB}"
