@@ -18,6 +18,7 @@ default_transaction_read_only) instead of handing it to a request.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 from pathlib import Path
@@ -54,6 +55,7 @@ KEEPALIVE_DEFAULTS = {
 # starts a fresh attempt at once: a promoted primary is found within seconds
 # of the promotion, not after the backoff has grown to minutes.
 POOL_RECONNECT_TIMEOUT_S = 5.0
+READ_ONLY_PAUSE_S = 0.05  # first pause after a read-only connection at checkout; doubles to 1 s
 
 
 def conninfo(url: str, settings: Settings, *, writable: bool = True) -> str:
@@ -133,6 +135,7 @@ class BrokerPool(AsyncConnectionPool):
 
     async def getconn(self, timeout: float | None = None) -> AsyncConnection:
         deadline = monotonic() + (self.timeout if timeout is None else timeout)
+        pause = READ_ONLY_PAUSE_S
         while True:
             conn = await super().getconn(timeout=max(deadline - monotonic(), 0.0))
             try:
@@ -143,6 +146,12 @@ class BrokerPool(AsyncConnectionPool):
                     await conn.close()
                 finally:
                     await self.putconn(conn)  # closed: the pool drops it and adds a new one
+                if isinstance(exc, ReadOnlyServer):
+                    # a dead connection is stepped over at once; a live read-only server
+                    # (target_session_attrs=any on a standby, a fence) would hand the pool
+                    # a fresh read-only connection as fast as it can connect: pace it
+                    await asyncio.sleep(min(pause, max(deadline - monotonic(), 0.0)))
+                    pause = min(pause * 2, 1.0)
                 continue
             return conn
 

@@ -217,6 +217,47 @@ def test_peek_and_list_read_the_standby_verdicts_go_to_the_primary(pair, tmp_pat
         b.kill()
 
 
+def test_a_connection_that_lands_on_the_standby_is_refused(pair):
+    """target_session_attrs=any lets libpq stop at the standby: the sweeper's connect and the
+    primary pool refuse it (in_hot_standby), closing the connection; the read pool takes it."""
+    from psycopg_pool import PoolTimeout
+
+    from queen_timers.db import connect as sweeper_connect, make_pool
+    from queen_timers.errors import ReadOnlyServer
+
+    url = pair.url(pair.standby_port, target_session_attrs="any")
+    s = Settings(database_url=url, read_database_url=url, broker_id="lands", pool_timeout_ms=1500)
+
+    async def go():
+        with pytest.raises(ReadOnlyServer):
+            await sweeper_connect(s, "sweeper")
+        pool = make_pool(s)
+        await pool.open(wait=False)
+        try:
+            with pytest.raises(PoolTimeout):
+                async with pool.connection():
+                    pass
+            # each one it met was discarded, paced (not a connection storm on the standby)
+            stats = pool.get_stats()
+            assert 1 <= stats.get("returns_bad", 0) <= 20, stats
+        finally:
+            await pool.close()
+        reads = make_pool(s, read=True)
+        await reads.open(wait=False)
+        try:
+            async with reads.connection() as conn:
+                cur = await conn.execute("SELECT pg_is_in_recovery() AS r")
+                assert (await cur.fetchone())["r"] is True
+        finally:
+            await reads.close()
+
+    asyncio.run(go())
+    with connect(pair.standby) as stby:  # the sweeper closed what it refused
+        wait_until(lambda: stby.execute("SELECT count(*) AS n FROM pg_stat_activity"
+                                        " WHERE application_name = 'queen-sweeper:lands'").fetchone()["n"] == 0,
+                   10, message="the refused connection's backend to exit")
+
+
 def test_fenced_primary_connections_are_discarded_not_reused(pair, tmp_path):
     """A primary turned read-only under the broker (default_transaction_read_only, as a
     switchover fences the old primary): 503 + Retry-After, the broker's connections to it
