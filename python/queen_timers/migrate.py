@@ -18,6 +18,8 @@ from pathlib import Path
 
 import psycopg
 
+from . import db
+from .config import Settings
 from .db import SQL_DIR
 
 _NAME = re.compile(r"^(\d{3})_([a-z0-9_]+)\.sql$")
@@ -77,15 +79,12 @@ def migrate(conninfo: str, directory: Path | None = None) -> list[int]:
 
 
 def main() -> int:
-    from .config import Settings
-    from .db import conninfo
-
     url = os.environ.get("QUEEN_DATABASE_URL")
     if not url:
         print("QUEEN_DATABASE_URL is required", file=sys.stderr)
         return 2
     # the primary of a multi-host URL, with a bounded connect, like the broker's own start
-    applied = migrate(conninfo(url, Settings(database_url=url)))
+    applied = migrate(db.conninfo(url, Settings(database_url=url)))
     print(f"migrations applied: {applied or 'none (up to date)'}")
     return 0
 
