@@ -22,9 +22,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from harness import OUT, Cluster, Results, connect, load_timers, log, start_broker  # noqa: E402
 import drills  # noqa: E402
+import failover  # noqa: E402
 import perf  # noqa: E402
 
-SECTIONS = ("fire", "schedule", "lag", "growth", "profile", "kill", "pgrestart", "pool")
+SECTIONS = ("fire", "schedule", "lag", "growth", "profile", "kill", "pgrestart", "pool", "failover")
 
 
 def machine() -> dict:
@@ -187,12 +188,16 @@ def main() -> int:
     ap.add_argument("--kills", type=int, default=100)
     ap.add_argument("--pg-restart-seconds", type=float, default=20)
     ap.add_argument("--pool-clients", type=int, default=48)
+    ap.add_argument("--failover-seconds", type=float, default=30)
+    ap.add_argument("--failover-detect-s", type=float, default=1.0,
+                    help="seconds between the primary's SIGKILL and pg_ctl promote")
     ap.add_argument("--fsync", default="on", choices=("on", "off"))
     args = ap.parse_args()
     if args.quick:
         args.fire_n, args.rounds, args.sched_batches = 5000, 1, 10
         args.lag_seconds, args.growth_sizes, args.growth_batch, args.growth_lag_seconds = 5, "10000", 2000, 3
         args.kills, args.pg_restart_seconds, args.pool_clients = 5, 9, 16
+        args.failover_seconds = 10
     only = {s.strip() for s in args.only.split(",") if s.strip()}
     bad = only - set(SECTIONS)
     if bad:
@@ -241,6 +246,9 @@ def main() -> int:
         section("kill", drills.drill_kill, cluster, res, args.kills)
         section("pool", drills.drill_pool, cluster, res, args.pool_clients)
         section("pgrestart", drills.drill_pg_restart, cluster, res, args.pg_restart_seconds)
+        # its own primary + synchronous standby (scripts/pg-replica), not the bench cluster
+        section("failover", failover.drill_failover, res, args.failover_seconds, args.fsync,
+                args.failover_detect_s)
     finally:
         if broker:
             broker.stop()

@@ -9,6 +9,7 @@ import uvicorn
 
 from .app import create_app
 from .config import ConfigError, Settings
+from .db import conninfo
 from .migrate import migrate
 from .server import JsonErrorH11Protocol
 
@@ -20,7 +21,8 @@ def main() -> int:
     except ConfigError as exc:
         print(f"queen-timers: {exc}", file=sys.stderr)
         return 2
-    applied = migrate(settings.database_url)
+    # on the primary: the same multi-host rule and bounded connect as every broker connection
+    applied = migrate(conninfo(settings.database_url, settings))
     if applied:
         logging.getLogger("queen_timers").info("applied migrations %s", applied)
     uvicorn.run(create_app(settings), host=settings.host, port=settings.port,

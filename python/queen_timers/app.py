@@ -112,16 +112,22 @@ async def health(request: Request) -> JSONResponse:
 def create_app(settings: Settings | None = None) -> Starlette:
     settings = settings or Settings.from_env()
     pool = make_pool(settings)
+    # QUEEN_READ_DATABASE_URL: peek and list read a hot standby; nothing else does
+    read_pool = make_pool(settings, read=True) if settings.read_database_url else None
     sweeper = Sweeper(settings)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):
         await pool.open(wait=False)
+        if read_pool is not None:
+            await read_pool.open(wait=False)
         await sweeper.start()
         try:
             yield
         finally:
             await sweeper.stop()
+            if read_pool is not None:
+                await read_pool.close()
             await pool.close()
 
     app = Starlette(
@@ -139,6 +145,7 @@ def create_app(settings: Settings | None = None) -> Starlette:
     )
     app.state.settings = settings
     app.state.pool = pool
+    app.state.read_pool = read_pool
     app.state.auth = Authenticator(settings)
     app.state.sweeper = sweeper
     return app

@@ -9,6 +9,9 @@ import os
 import socket
 from dataclasses import dataclass, field
 
+import psycopg
+from psycopg.conninfo import conninfo_to_dict
+
 from .bodies import default_max_body_bytes
 
 
@@ -36,6 +39,18 @@ def _choice(env: dict[str, str], name: str, default: str, choices: tuple[str, ..
     return value
 
 
+def _url(env: dict[str, str], name: str) -> str | None:
+    """A libpq URL or key=value string (one host or several); None when unset."""
+    raw = (env.get(name) or "").strip()
+    if not raw:
+        return None
+    try:
+        conninfo_to_dict(raw)
+    except psycopg.ProgrammingError as exc:
+        raise ConfigError(f"{name} is not a valid libpq connection string: {exc}") from None
+    return raw
+
+
 def _key(env: dict[str, str]) -> bytes | None:
     raw = env.get("QUEEN_ENCRYPTION_KEY") or ""
     if not raw:
@@ -52,6 +67,8 @@ def _key(env: dict[str, str]) -> bytes | None:
 @dataclass(frozen=True)
 class Settings:
     database_url: str
+    # a hot standby for peek and list (None: they read the primary like everything else)
+    read_database_url: str | None = None
     host: str = "127.0.0.1"
     port: int = 6632
     broker_id: str = field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}")
@@ -79,16 +96,18 @@ class Settings:
     pool_max: int = 10
     pool_timeout_ms: int = 2000
     statement_timeout_ms: int = 5000
+    connect_timeout_s: int = 5
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> "Settings":
         env = dict(os.environ if env is None else env)
-        url = env.get("QUEEN_DATABASE_URL")
+        url = _url(env, "QUEEN_DATABASE_URL")
         if not url:
             raise ConfigError("QUEEN_DATABASE_URL is required (make run sets it for the embedded cluster)")
         auth = _choice(env, "QUEEN_AUTH", "off", ("off", "jwt"))
         settings = cls(
             database_url=url,
+            read_database_url=_url(env, "QUEEN_READ_DATABASE_URL"),
             host=env.get("QUEEN_HOST") or "127.0.0.1",
             port=_int(env, "QUEEN_PORT", 6632, 1),
             broker_id=env.get("QUEEN_BROKER_ID") or f"{socket.gethostname()}-{os.getpid()}",
@@ -112,6 +131,8 @@ class Settings:
             pool_max=_int(env, "QUEEN_POOL_MAX", 10, 1),
             pool_timeout_ms=_int(env, "QUEEN_POOL_TIMEOUT_MS", 2000, 1),
             statement_timeout_ms=_int(env, "QUEEN_STATEMENT_TIMEOUT_MS", 5000, 0),
+            # libpq's floor is 2 s; 0 would mean "wait forever" there, which the broker never does
+            connect_timeout_s=_int(env, "QUEEN_CONNECT_TIMEOUT_S", 5, 2),
         )
         if settings.sweeper_min_sleep_ms > settings.sweeper_max_sleep_ms:
             raise ConfigError("QUEEN_SWEEPER_MIN_SLEEP_MS must not exceed QUEEN_SWEEPER_MAX_SLEEP_MS")

@@ -1,22 +1,78 @@
-"""Database access: the request pool and where the SQL lives.
+"""Database access: the request pools and where the SQL lives.
 
 Every timer state change is one call of a queen.* function; this module
 only opens connections. The sweeper keeps its own connections so that a
 starved request pool never stops the fire.
+
+High availability is PostgreSQL's own: QUEEN_DATABASE_URL may name several
+hosts (libpq multi-host, `postgresql://h1:p1,h2:p2/db` or `host=h1,h2
+port=p1,p2`), and libpq's target_session_attrs=read-write (the broker's
+default when the URL sets none) picks the one that accepts writes. After a
+promotion the broker's connections to the old primary break; every new
+connection lands on the new primary by the same rule. The broker adds no
+cluster protocol of its own: it only bounds every wait (connect_timeout,
+TCP keepalives, tcp_user_timeout) and discards a pooled connection whose
+server closed it or turned read-only (a standby, or a primary fenced with
+default_transaction_read_only) instead of handing it to a request.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import os
 from pathlib import Path
+from time import monotonic
 
+import psycopg
 from psycopg import AsyncConnection
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
+from psycopg.pq import ConnStatus
 from psycopg.rows import dict_row
 from psycopg_pool import AsyncConnectionPool
 
 from .config import Settings
+from .errors import ReadOnlyServer
+
+log = logging.getLogger("queen_timers.db")
 
 SQL_DIR = Path(os.environ.get("QUEEN_SQL_DIR") or Path(__file__).resolve().parents[2] / "sql")
+
+# libpq parameters the broker sets when neither the URL nor the matching PG*
+# environment variable does: no connection attempt or silent peer can hold a
+# request or the sweeper for long (a dead host that sends no RST included).
+KEEPALIVE_DEFAULTS = {
+    "keepalives": ("PGKEEPALIVES", "1"),
+    "keepalives_idle": ("PGKEEPALIVESIDLE", "5"),
+    "keepalives_interval": ("PGKEEPALIVESINTERVAL", "2"),
+    "keepalives_count": ("PGKEEPALIVESCOUNT", "3"),
+    # unacknowledged data (or keepalive probes) for this long: the connection is dead
+    "tcp_user_timeout": ("PGTCPUSERTIMEOUT", "10000"),
+}
+
+# After this long of failed attempts a pool slot stops retrying on its own
+# schedule (psycopg_pool backs off 1, 2, 4, 8... s) and the next request
+# starts a fresh attempt at once: a promoted primary is found within seconds
+# of the promotion, not after the backoff has grown to minutes.
+POOL_RECONNECT_TIMEOUT_S = 5.0
+READ_ONLY_PAUSE_S = 0.05  # first pause after a read-only connection at checkout; doubles to 1 s
+
+
+def conninfo(url: str, settings: Settings, *, writable: bool = True) -> str:
+    """The URL with the broker's defaults for what it leaves unset.
+
+    writable=True (every connection but the read pool's) adds
+    target_session_attrs=read-write: with several hosts, libpq skips the
+    standbys and connects to the primary."""
+    params = conninfo_to_dict(url)
+    defaults = {"connect_timeout": ("PGCONNECT_TIMEOUT", str(settings.connect_timeout_s)),
+                **KEEPALIVE_DEFAULTS}
+    if writable:
+        defaults["target_session_attrs"] = ("PGTARGETSESSIONATTRS", "read-write")
+    for key, (env, value) in defaults.items():
+        if key not in params and not os.environ.get(env):
+            params[key] = value
+    return make_conninfo("", **params)
 
 
 def connect_kwargs(settings: Settings, application_name: str) -> dict:
@@ -29,20 +85,110 @@ def connect_kwargs(settings: Settings, application_name: str) -> dict:
     }
 
 
-def make_pool(settings: Settings) -> AsyncConnectionPool:
-    return AsyncConnectionPool(
-        settings.database_url,
+def read_only_server(conn: psycopg.AsyncConnection | psycopg.Connection) -> bool:
+    """True when the server says (ParameterStatus, no round trip) it takes no writes.
+
+    PostgreSQL 14+ reports in_hot_standby and default_transaction_read_only on
+    connect and whenever they change (a promotion, a reload); libpq's
+    target_session_attrs=read-write reads the same two."""
+    info = conn.info
+    return (info.parameter_status("in_hot_standby") == "on"
+            or info.parameter_status("default_transaction_read_only") == "on")
+
+
+def _check_alive(conn: AsyncConnection) -> None:
+    """Read what the server sent while the connection sat idle, without blocking
+    (libpq's socket is non-blocking) and without a round trip: a closed peer shows up
+    as an error here, so a request never gets a connection whose server is already gone.
+
+    A terminated backend sends an error message and then closes: the first read takes
+    the message, parsing it (is_busy) turns it into a notice and applies any
+    ParameterStatus, and the second read meets the end of the stream."""
+    pg = conn.pgconn
+    pg.consume_input()
+    pg.is_busy()
+    pg.consume_input()
+    if pg.status != ConnStatus.OK:
+        raise psycopg.OperationalError("the connection is broken")
+
+
+async def check(conn: AsyncConnection, *, writable: bool) -> None:
+    """Alive, and (writable=True) not on a read-only server. Raises psycopg.Error."""
+    _check_alive(conn)
+    if writable and read_only_server(conn):
+        raise ReadOnlyServer("the server is read-only (a standby, or fenced)")
+
+
+class BrokerPool(AsyncConnectionPool):
+    """psycopg_pool's pool, with a checkout check that costs no round trip.
+
+    A connection that fails the check (its server closed it, or turned read-only)
+    is closed and returned, so the pool discards it and opens a replacement, and
+    the request takes the next one at once. psycopg_pool's own `check` callback
+    would sleep a backoff of 1 s, 2 s... between failed checks: after a failover
+    every idle connection is stale, and a request would spend its whole
+    QUEEN_POOL_TIMEOUT_MS stepping over them."""
+
+    def __init__(self, *args, writable: bool, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.writable = writable
+
+    async def getconn(self, timeout: float | None = None) -> AsyncConnection:
+        deadline = monotonic() + (self.timeout if timeout is None else timeout)
+        pause = READ_ONLY_PAUSE_S
+        while True:
+            conn = await super().getconn(timeout=max(deadline - monotonic(), 0.0))
+            try:
+                await check(conn, writable=self.writable)
+            except psycopg.Error as exc:
+                log.info("pool %s: discarding a connection (%s)", self.name, str(exc).splitlines()[0])
+                try:
+                    await conn.close()
+                finally:
+                    await self.putconn(conn)  # closed: the pool drops it and adds a new one
+                if isinstance(exc, ReadOnlyServer):
+                    # a dead connection is stepped over at once; a live read-only server
+                    # (target_session_attrs=any on a standby, a fence) would hand the pool
+                    # a fresh read-only connection as fast as it can connect: pace it
+                    await asyncio.sleep(min(pause, max(deadline - monotonic(), 0.0)))
+                    pause = min(pause * 2, 1.0)
+                continue
+            return conn
+
+
+async def _reconnect_failed(pool: AsyncConnectionPool) -> None:
+    log.warning("pool %s: no database connection for %.0f s; the next request tries again",
+                pool.name, POOL_RECONNECT_TIMEOUT_S)
+
+
+def make_pool(settings: Settings, *, read: bool = False) -> BrokerPool:
+    """The request pool (read=False: the primary) or the read pool (QUEEN_READ_DATABASE_URL)."""
+    url = settings.read_database_url if read else settings.database_url
+    assert url is not None
+    role = "queen-broker-read" if read else "queen-broker"
+    return BrokerPool(
+        conninfo(url, settings, writable=not read),
+        writable=not read,
         min_size=settings.pool_min,
         max_size=settings.pool_max,
         timeout=settings.pool_timeout_ms / 1000,
-        kwargs=connect_kwargs(settings, f"queen-broker:{settings.broker_id}"),
+        kwargs=connect_kwargs(settings, f"{role}:{settings.broker_id}"),
+        reconnect_timeout=POOL_RECONNECT_TIMEOUT_S,
+        reconnect_failed=_reconnect_failed,
         open=False,
-        name="queen-requests",
+        name="queen-reads" if read else "queen-requests",
     )
 
 
 async def connect(settings: Settings, role: str) -> AsyncConnection:
-    """A dedicated autocommit connection (sweeper, LISTEN)."""
-    return await AsyncConnection.connect(
-        settings.database_url, **connect_kwargs(settings, f"queen-{role}:{settings.broker_id}")
+    """A dedicated autocommit connection to the primary (sweeper, LISTEN).
+
+    Refuses a read-only server: with target_session_attrs=any in the URL libpq
+    may land on a standby, where the sweeper could only fail."""
+    conn = await AsyncConnection.connect(
+        conninfo(settings.database_url, settings), **connect_kwargs(settings, f"queen-{role}:{settings.broker_id}")
     )
+    if read_only_server(conn):
+        await conn.close()
+        raise ReadOnlyServer(f"{role}: the server is read-only (a standby, or fenced); not using it")
+    return conn

@@ -28,8 +28,11 @@ SQLSTATE_HTTP: dict[str, tuple[int, str]] = {
 }
 
 # Failures that say "not now", never "never": they cost no fire attempt
-# and answer 503 on the HTTP side.
-TRANSIENT_SQLSTATES = {"40001", "40P01"}
+# and answer 503 on the HTTP side. 25006 (read_only_sql_transaction): the
+# connection reached a standby or a primary fenced read-only, as during a
+# switchover; the connection is discarded and the next one finds the primary.
+READ_ONLY_SQLSTATE = "25006"
+TRANSIENT_SQLSTATES = {"40001", "40P01", READ_ONLY_SQLSTATE}
 TRANSIENT_CLASSES = {"08", "53", "57"}
 
 _RETRY = re.compile(r"retry_after_seconds=(\d+)")
@@ -63,6 +66,16 @@ def is_transient_sqlstate(sqlstate: str | None) -> bool:
     return sqlstate in TRANSIENT_SQLSTATES or sqlstate[:2] in TRANSIENT_CLASSES
 
 
+class ReadOnlyServer(psycopg.OperationalError):
+    """The connection's server accepts no writes (hot standby, or fenced read-only)."""
+
+
+def is_read_only(exc: BaseException) -> bool:
+    """The server refused a write because it is read-only (standby or fenced primary)."""
+    return isinstance(exc, ReadOnlyServer) or (
+        isinstance(exc, psycopg.Error) and exc.sqlstate == READ_ONLY_SQLSTATE)
+
+
 def classify_failure(exc: BaseException) -> str:
     """'transient' (backs off, costs no attempt) or 'permanent' for a fire failure."""
     if isinstance(exc, psycopg.Error):
@@ -94,6 +107,10 @@ def from_exception(exc: BaseException) -> ApiError | None:
             elif status in (429, 503):
                 headers["Retry-After"] = "1"
             return ApiError(status, slug, diag.message_detail, headers)
+        if sqlstate == READ_ONLY_SQLSTATE:
+            return ApiError(503, "timers_unavailable",
+                            "the database is read-only right now (a standby, or a primary being switched over)",
+                            {"Retry-After": "1"})
         if isinstance(exc, pgerrors.QueryCanceled):
             return ApiError(503, "timers_unavailable", "the database did not answer in time",
                             {"Retry-After": "1"})

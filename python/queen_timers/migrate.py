@@ -18,6 +18,8 @@ from pathlib import Path
 
 import psycopg
 
+from . import db
+from .config import Settings
 from .db import SQL_DIR
 
 _NAME = re.compile(r"^(\d{3})_([a-z0-9_]+)\.sql$")
@@ -81,7 +83,8 @@ def main() -> int:
     if not url:
         print("QUEEN_DATABASE_URL is required", file=sys.stderr)
         return 2
-    applied = migrate(url)
+    # the primary of a multi-host URL, with a bounded connect, like the broker's own start
+    applied = migrate(db.conninfo(url, Settings(database_url=url)))
     print(f"migrations applied: {applied or 'none (up to date)'}")
     return 0
 

@@ -5,6 +5,9 @@
     GET    /api/v1/timers/:queue/*timerKey    read-only    queen.peek_timer
     GET    /api/v1/timers/:queue              read-only    queen.list_timers
 
+The two GET routes read QUEEN_READ_DATABASE_URL (a hot standby, possibly a
+little behind) when it is set; POST and DELETE always go to the primary.
+
 Python checks shapes (400 before any SQL), decodes base64, inflates zstd
 with a bound to learn the decompressed size, encrypts for queues that
 encrypt at rest, and maps results to HTTP. It never writes a timer row:
@@ -120,13 +123,17 @@ def _path_or_400(request: Request) -> tuple[str, str | None]:
     return queue, key
 
 
-async def _run(request: Request, fn, *, hint: bool = False):
+async def _run(request: Request, fn, *, hint: bool = False, read: bool = False):
     """Run fn(conn) on a pooled connection; map database failures to ApiError.
 
     hint=True (POST) adds x-queen-timers-hint to every refusal by a rung or
-    by capacity, naming the cancel route that passes no rung."""
+    by capacity, naming the cancel route that passes no rung. read=True (peek,
+    list) uses the read pool (QUEEN_READ_DATABASE_URL, a hot standby) when the
+    broker has one; the verdict routes always use the primary's pool."""
+    state = request.app.state
+    pool = state.read_pool if read and state.read_pool is not None else state.pool
     try:
-        async with request.app.state.pool.connection() as conn:
+        async with pool.connection() as conn:
             return await fn(conn)
     except Exception as exc:  # mapped here or re-raised to app.py's handler
         mapped = from_exception(exc)
@@ -352,7 +359,7 @@ async def peek(request: Request) -> JSONResponse:
                                  (principal.tenant, queue, key))
         return await cur.fetchone()
 
-    r = await _run(request, work)
+    r = await _run(request, work, read=True)
     if r is None:
         return JSONResponse({"found": False})
     return JSONResponse({
@@ -392,7 +399,7 @@ async def _list(request: Request, principal, queue: str) -> JSONResponse:
                                  (principal.tenant, queue, after, limit))
         return await cur.fetchall()
 
-    rows = await _run(request, work)
+    rows = await _run(request, work, read=True)
     return JSONResponse({
         "rows": [{
             "timerKey": r["timer_key"], "partition": r["partition"], "deliverAt": iso(r["deliver_at"]),

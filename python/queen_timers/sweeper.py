@@ -28,7 +28,7 @@ import psycopg
 
 from . import db, payloads
 from .config import Settings
-from .errors import classify_failure
+from .errors import classify_failure, is_read_only
 from .metrics import Metrics
 
 log = logging.getLogger("queen_timers.sweeper")
@@ -72,6 +72,13 @@ class FrameError(Exception):
 
 def _connection_broken(conn: psycopg.AsyncConnection | None) -> bool:
     return conn is None or conn.closed or conn.broken
+
+
+def _lost_primary(conn: psycopg.AsyncConnection | None, exc: BaseException) -> bool:
+    """The failure is the connection's, not the batch's: the connection broke, or its
+    server turned read-only (a standby after a switchover, a fenced primary). The loop
+    drops both connections and reconnects; no row is blamed, no attempt is spent."""
+    return _connection_broken(conn) or is_read_only(exc)
 
 
 def _error_text(exc: BaseException) -> str:
@@ -174,7 +181,7 @@ class Sweeper:
                                 self.settings.broker_id, _error_text(exc))
                 else:
                     log.debug("sweeper %s: still failing (%s)", self.settings.broker_id, _error_text(exc))
-                if _connection_broken(self._conn) or isinstance(exc, psycopg.OperationalError):
+                if _lost_primary(self._conn, exc) or isinstance(exc, psycopg.OperationalError):
                     await self._close()
                 if self._stopping:
                     break
@@ -194,7 +201,7 @@ class Sweeper:
         try:
             fast = self.metrics.observe_fires((await self._fetch(FIRE_DUE, (batch,)))[0])
         except Exception as exc:
-            if _connection_broken(self._conn):
+            if _lost_primary(self._conn, exc):
                 raise
             # one poison row fails the whole batch: fire them one by one below
             log.warning("sweeper %s: fire_due_timers failed (%s, %s); isolating row by row",
@@ -233,7 +240,7 @@ class Sweeper:
                 self.metrics.observe_fires(await self._fire(claim_id, [f for _, f in frames]))
                 return len(rows)
             except Exception as exc:
-                if _connection_broken(self._conn):
+                if _lost_primary(self._conn, exc):
                     raise
                 log.warning("sweeper %s: fire_timers batch of %d failed (%s); isolating row by row",
                             s.broker_id, len(frames), _error_text(exc))
@@ -241,7 +248,7 @@ class Sweeper:
             try:
                 summary = await self._fire(claim_id, [frame])
             except Exception as exc:
-                if _connection_broken(self._conn):
+                if _lost_primary(self._conn, exc):
                     raise
                 await self._fail(row, classify_failure(exc), _error_text(exc))
                 continue
