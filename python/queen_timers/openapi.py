@@ -111,6 +111,13 @@ SCHEMAS: dict[str, dict] = {
                           "description": "not before; ISO-8601 UTC with microseconds"},
         },
     },
+    "ScheduleResult": {
+        "type": "object",
+        "required": ["results"],
+        "additionalProperties": False,
+        "properties": {"results": {"type": "array", "items": _ref("TimerVerdict"),
+                                   "description": "index-aligned with `operations`"}},
+    },
     "CancelResult": {
         "type": "object",
         "required": ["ok", "status", "queue", "timerKey", "txn"],
@@ -212,8 +219,8 @@ TIMER_PATHS: dict[str, dict] = {
         "requestBody": {"required": True,
                         "content": {"application/json": {"schema": _ref("ScheduleRequest")}}},
         "responses": {
-            "200": _json("one verdict per operation, in input order",
-                         {"type": "array", "items": _ref("TimerVerdict")}),
+            "200": _json("one verdict per operation, in input order, under `results` "
+                         "(the envelope Queen's clients read)", _ref("ScheduleResult")),
             "400": _error("shape: the batch is refused before any SQL", ["timers_bad_request"]),
             **AUTH_RESPONSES,
             "403": _error("a rung refused the batch (or the credential is too low: forbidden)",

@@ -314,11 +314,13 @@ async def schedule(request: Request) -> JSONResponse:
         return await cur.fetchall()
 
     rows = await _run(request, work, hint=True)
-    return JSONResponse([
+    # {"results": [...]}: the envelope Queen's clients read (queen-mq's
+    # Timers.batch takes response["results"]); index-aligned with the ops.
+    return JSONResponse({"results": [
         {"ok": r["ok"], "status": r["status"], "queue": r["queue"], "timerKey": r["timer_key"],
          "txn": r["txn"], "messageId": _str(r["message_id"]), "deliverAt": iso(r["deliver_at"])}
         for r in rows
-    ])
+    ]})
 
 
 # ---------------------------------------------------------------------------
