@@ -23,7 +23,7 @@ from starlette.routing import Route
 
 from . import payloads
 from .auth import READ_ONLY, READ_WRITE
-from .errors import ApiError, bad_request, from_exception
+from .errors import ApiError, bad_request, check_json_unicode, check_text, from_exception, text_problem
 
 QUEUE_MODE = "__QUEUE_MODE__"
 ACK_STATUSES = ("completed", "success", "failed", "dlq", "retry")
@@ -74,6 +74,7 @@ async def _json_body(request: Request) -> dict:
         raise bad_request("the body is not valid JSON") from None
     if not isinstance(body, dict):
         raise bad_request("the body must be a JSON object")
+    check_json_unicode(body)
     return body
 
 
@@ -81,7 +82,7 @@ def _opt_str(obj: dict, key: str, where: str) -> str | None:
     value = obj.get(key)
     if value is not None and not isinstance(value, str):
         raise bad_request(f"{where}{key} must be a string")
-    return value
+    return None if value is None else check_text(value, f"{where}{key}")
 
 
 def _uuid(value: object, what: str) -> uuid.UUID:
@@ -132,6 +133,7 @@ async def configure(request: Request) -> JSONResponse:
     queue = body.get("queue")
     if not isinstance(queue, str) or not queue:
         raise bad_request("queue is required (a non-empty string)")
+    check_text(queue, "queue")
     namespace = _opt_str(body, "namespace", "")
     task = _opt_str(body, "task", "")
     options = body.get("options")
@@ -170,6 +172,7 @@ async def push(request: Request) -> JSONResponse:
         queue = item.get("queue")
         if not isinstance(queue, str) or not queue:
             raise bad_request(f"{where}queue is required (a non-empty string)")
+        check_text(queue, f"{where}queue")
         partition = _opt_str(item, "partition", where) or "Default"
         txn = _opt_str(item, "transactionId", where) or None
         trace = item.get("traceId")
@@ -221,12 +224,14 @@ async def push(request: Request) -> JSONResponse:
 async def pop(request: Request) -> Response:
     request.app.state.auth.require(request, READ_WRITE)
     settings = request.app.state.settings
-    queue = request.path_params["queue"]
+    queue = check_text(request.path_params["queue"], "queue")
     partition = request.path_params.get("partition")
+    if partition is not None:
+        check_text(partition, "partition")
     batch = _int_param(request, "batch", 1, 1, MAX_BATCH)
     wait = _bool_param(request, "wait")
     timeout_ms = _int_param(request, "timeout", DEFAULT_POP_TIMEOUT_MS, 0, MAX_POP_TIMEOUT_MS)
-    group = request.query_params.get("consumerGroup") or QUEUE_MODE
+    group = check_text(request.query_params.get("consumerGroup") or QUEUE_MODE, "consumerGroup")
     auto_ack = _bool_param(request, "autoAck")
 
     deadline = time.monotonic() + timeout_ms / 1000
@@ -274,6 +279,7 @@ def _parse_ack(obj: object, where: str, default_group: str | None) -> tuple:
     txn = obj.get("transactionId")
     if not isinstance(txn, str) or not txn:
         raise bad_request(f"{where}.transactionId is required (a string)")
+    check_text(txn, f"{where}.transactionId")
     partition_id = _uuid(obj.get("partitionId"), f"{where}.partitionId")
     status = obj.get("status")
     if status is not None and status not in ACK_STATUSES:
@@ -281,12 +287,18 @@ def _parse_ack(obj: object, where: str, default_group: str | None) -> tuple:
     error = obj.get("error")
     if error is not None and not isinstance(error, str):
         error = json.dumps(error)
+    if error is not None:
+        check_text(error, f"{where}.error")
     lease = obj.get("leaseId")
     if lease is not None and not isinstance(lease, str):
         raise bad_request(f"{where}.leaseId must be a string")
+    if lease is not None:
+        check_text(lease, f"{where}.leaseId")
     group = obj.get("consumerGroup")
     if group is not None and not isinstance(group, str):
         raise bad_request(f"{where}.consumerGroup must be a string")
+    if group is not None:
+        check_text(group, f"{where}.consumerGroup")
     return (txn, partition_id, status, error, lease, group or default_group)
 
 
@@ -319,6 +331,8 @@ async def ack_batch(request: Request) -> JSONResponse:
     group = body.get("consumerGroup")
     if group is not None and not isinstance(group, str):
         raise bad_request("consumerGroup must be a string")
+    if group is not None:
+        check_text(group, "consumerGroup")
     items = body.get("acknowledgments")
     if not isinstance(items, list):
         raise bad_request("acknowledgments is required (an array)")
@@ -336,6 +350,8 @@ async def get_message(request: Request) -> JSONResponse:
     try:
         partition_id = uuid.UUID(request.path_params["partitionId"])
     except ValueError:
+        return JSONResponse({"error": "Message not found"}, status_code=404)
+    if text_problem(request.path_params["transactionId"]):  # no stored id can hold it
         return JSONResponse({"error": "Message not found"}, status_code=404)
     async with _conn(request) as conn:
         cur = await conn.execute("SELECT * FROM queen.get_message(%s, %s)",
@@ -366,6 +382,9 @@ async def list_dlq(request: Request) -> JSONResponse:
     request.app.state.auth.require(request, READ_ONLY)
     queue = request.query_params.get("queue") or None
     group = request.query_params.get("consumerGroup") or None
+    for name, value in (("queue", queue), ("consumerGroup", group)):
+        if value is not None:
+            check_text(value, name)
     limit = _int_param(request, "limit", 100, 1, 1000)
     offset = _int_param(request, "offset", 0, 0, 2**31 - 1)
     # `partition`, `from` and `to` are ignored, as Queen's dlq route does

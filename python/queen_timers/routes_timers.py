@@ -24,7 +24,7 @@ from starlette.routing import Route
 
 from . import payloads
 from .auth import READ_ONLY, READ_WRITE, WRITE_ONLY
-from .errors import ApiError, bad_request, from_exception
+from .errors import ApiError, bad_request, check_json_unicode, check_text, from_exception
 from .openapi import openapi_endpoint
 
 log = logging.getLogger("queen_timers.timers")
@@ -91,8 +91,7 @@ def _str(value: object) -> str | None:
 
 
 def _check_text(name: str, value: str, where: str) -> None:
-    if "\x00" in value:
-        raise bad_request(f"{where}{name} may not contain a NUL character")
+    check_text(value, f"{where}{name}")
 
 
 def _path_parts(request: Request) -> tuple[str, str | None]:
@@ -285,6 +284,7 @@ async def schedule(request: Request) -> JSONResponse:
         body = json.loads(raw)
     except (ValueError, UnicodeDecodeError):
         raise bad_request("the body is not valid JSON") from None
+    check_json_unicode(body)
     ops = _parse_ops(body, settings.timers_max_ops)
 
     async def work(conn):
