@@ -70,9 +70,8 @@ SELECT v.ordinal, v.ok, v.status, v.queue, v.timer_key, v.txn, v.message_id, v.d
  ORDER BY v.ordinal
 """
 
-ENCRYPTING_QUEUES_SQL = """
-SELECT name FROM queen.queues WHERE name = ANY(%s::text[]) AND encryption_enabled
-"""
+# the caller's queues only: a queue name is unique per tenant, not per cell
+ENCRYPTING_QUEUES_SQL = "SELECT queen.encrypted_queues(%s, %s::text[]) AS name"
 
 
 # ---------------------------------------------------------------------------
@@ -290,7 +289,7 @@ async def schedule(request: Request) -> JSONResponse:
     async def work(conn):
         upserts = sorted({o["queue"] for o in ops if o["op"] != "cancel"})
         if upserts:
-            cur = await conn.execute(ENCRYPTING_QUEUES_SQL, (upserts,))
+            cur = await conn.execute(ENCRYPTING_QUEUES_SQL, (principal.tenant, upserts))
             encrypting = {r["name"] for r in await cur.fetchall()}
             _encrypt_ops(ops, encrypting, settings.encryption_key)
         params = {
