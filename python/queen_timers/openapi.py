@@ -6,7 +6,7 @@ theirs with module-level dicts, merged at request time:
     OPENAPI_PATHS   = {"/api/v1/...": {"get": {...}}}       # merged into "paths"
     OPENAPI_SCHEMAS = {"Name": {...}}                        # merged into components.schemas
 
-Path templates use OpenAPI's `{name}` (a Starlette `{timerKey:path}` is
+Path templates use OpenAPI's `{name}` (a Starlette `{timerKey:anypath}` is
 `{timerKey}` here). Every route the app registers must appear
 (tests/py/test_timers_openapi.py checks it).
 """
@@ -186,8 +186,13 @@ SCHEMAS: dict[str, dict] = {
 
 QUEUE_PARAM = {"name": "queue", "in": "path", "required": True, "schema": {"type": "string"}}
 KEY_PARAM = {"name": "timerKey", "in": "path", "required": True,
-             "description": "catch-all: may contain '/', raw or percent-encoded (`tenant/42`)",
-             "schema": {"type": "string"}}
+             "description": "any text, '/' included: the contract's catch-all `*timerKey`. As OpenAPI "
+                            "3.1 serialises a path parameter, a '/' in the key is percent-encoded "
+                            "(`tenant%2F42`); the broker also takes it raw (`tenant/42`), and both "
+                            "name the same key. Everything after `{queue}/` is the key.",
+             "schema": {"type": "string", "minLength": 1},
+             "examples": {"slash": {"summary": "a key with a slash", "value": "tenant/42"},
+                          "plain": {"value": "trial:acme:day7"}}}
 UNAVAILABLE = _error("the database cannot answer (pool exhausted, statement timeout, unreachable)",
                      ["timers_unavailable"], RETRY_AFTER)
 

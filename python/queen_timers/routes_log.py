@@ -23,7 +23,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from . import payloads
+from . import convertors, payloads  # noqa: F401 (convertors: registers {x:anypath})
 from .auth import READ_ONLY, READ_WRITE
 from .errors import ApiError, bad_request, check_json_unicode, from_exception
 
@@ -571,7 +571,7 @@ routes = [
     Route("/api/v1/pop/queue/{queue}/partition/{partition}", pop, methods=["GET"]),
     Route("/api/v1/ack", ack, methods=["POST"]),
     Route("/api/v1/ack/batch", ack_batch, methods=["POST"]),
-    Route("/api/v1/messages/{partitionId}/{transactionId:path}", get_message, methods=["GET"]),
+    Route("/api/v1/messages/{partitionId}/{transactionId:anypath}", get_message, methods=["GET"]),
     Route("/api/v1/dlq", list_dlq, methods=["GET"]),
     Route("/api/v1/dlq/{id}/replay", replay_dlq, methods=["POST"]),
     Route("/api/v1/transaction", transaction, methods=["POST"]),

@@ -22,7 +22,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from . import payloads
+from . import convertors, payloads  # noqa: F401 (convertors: registers {x:anypath})
 from .auth import READ_ONLY, READ_WRITE, WRITE_ONLY
 from .errors import ApiError, bad_request, check_json_unicode, check_text, from_exception
 from .openapi import openapi_endpoint
@@ -422,6 +422,6 @@ routes: list = [
     Route("/openapi.json", openapi_endpoint, methods=["GET"]),
     Route(PREFIX, schedule, methods=["POST"]),
     Route(PREFIX + "/{queue}", list_timers, methods=["GET"]),
-    Route(PREFIX + "/{queue}/{timerKey:path}", peek, methods=["GET"]),
-    Route(PREFIX + "/{queue}/{timerKey:path}", cancel, methods=["DELETE"]),
+    Route(PREFIX + "/{queue}/{timerKey:anypath}", peek, methods=["GET"]),
+    Route(PREFIX + "/{queue}/{timerKey:anypath}", cancel, methods=["DELETE"]),
 ]

@@ -136,6 +136,18 @@ def test_catch_all_timer_key_raw_and_encoded(client, db):
     assert rows(db) == []
 
 
+def test_timer_key_with_a_newline_reaches_its_route(client, db):
+    # Starlette's `path` convertor (`.*`) stops at a newline: such a key answered a
+    # plain-text 404 from no route at all (found by tests/py/test_openapi_fuzz.py)
+    assert post(client, op("schedule", "a\nb/c")).status_code == 200
+    peek = client.get("/api/v1/timers/reminders/a%0Ab/c")
+    assert peek.status_code == 200 and peek.json()["timerKey"] == "a\nb/c"
+    d = client.delete("/api/v1/timers/reminders/a%0Ab%2Fc")
+    assert d.status_code == 200 and d.json()["status"] == "cancelled"
+    miss = client.get("/api/v1/messages/00000000-0000-0000-0000-000000000000/x%0Ay")
+    assert miss.status_code == 404 and miss.json() == {"error": "Message not found"}
+
+
 def test_percent_encoded_queue_with_a_slash(client, db):
     post(client, op("schedule", "k", queue="team/a"))
     assert client.get("/api/v1/timers/team%2Fa/k").json()["found"] is True
