@@ -53,6 +53,34 @@ def _forbidden_only() -> dict:
     return _error("the credential's access level is too low", ["forbidden"])
 
 
+# strict base64 with padding, as the broker decodes it
+BASE64_PATTERN = "^(?:[A-Za-z0-9+/]{4})*(?:[A-Za-z0-9+/]{2}==|[A-Za-z0-9+/]{3}=)?$"
+_OP_FIELDS: dict[str, dict] = {
+    "queue": {"type": "string", "minLength": 1, "description": "destination queue"},
+    "timerKey": {"type": "string", "minLength": 1, "description": "identity, with the queue and the tenant"},
+    "delayMs": {"type": "integer", "minimum": -(2 ** 63), "maximum": 2 ** 63 - 1,
+                "description": "milliseconds from PostgreSQL's now(); a value in the past is legal and "
+                               "fires on the first cycle; beyond the horizon in force is 403"},
+    "txn": {"type": "string", "minLength": 1, "description": "transaction id the frame will carry; "
+            "required for schedule, minted by the server when a reschedule omits it, echoed by cancel"},
+    "payload": {"type": "string", "contentEncoding": "base64", "pattern": BASE64_PATTERN,
+                "description": "base64 (with padding); with payloadZstd, a zstd frame"},
+    "partition": {"type": ["string", "null"], "minLength": 1, "default": "Default"},
+    "payloadZstd": {"type": ["boolean", "null"], "default": False},
+    "encrypted": {"type": ["boolean", "null"], "description": "refused when the destination queue "
+                  "encrypts at rest: the broker sets it"},
+}
+
+
+def _timer_op(op: str, required: list[str]) -> dict:
+    fields = {k: v for k, v in _OP_FIELDS.items()}
+    if "txn" not in required:
+        fields["txn"] = {**fields["txn"], "type": ["string", "null"]}
+    return {"type": "object", "additionalProperties": False,
+            "required": ["op", "queue", "timerKey", *required],
+            "properties": {"op": {"const": op}, **fields}}
+
+
 SCHEMAS: dict[str, dict] = {
     "Error": {
         "type": "object",
@@ -61,28 +89,20 @@ SCHEMAS: dict[str, dict] = {
                        "detail": {"type": "string", "description": "what went wrong, for a human"}},
     },
     "TimerOperation": {
+        "oneOf": [_ref("ScheduleOperation"), _ref("RescheduleOperation"), _ref("CancelOperation")],
+        "description": "one operation, by `op`. producerSub, messageId, tenant and any field starting "
+                       "with '_' are owned by the server and refused (400), as is any unknown field or "
+                       "a field that does not apply to the op; null is the same as absent.",
+    },
+    "ScheduleOperation": _timer_op("schedule", ["delayMs", "txn", "payload"]),
+    "RescheduleOperation": _timer_op("reschedule", ["delayMs", "payload"]),
+    "CancelOperation": {
         "type": "object",
         "additionalProperties": False,
         "required": ["op", "queue", "timerKey"],
-        "description": "schedule/reschedule need delayMs and payload; schedule also needs txn. "
-                       "producerSub, messageId, tenant and any field starting with '_' are owned by "
-                       "the server and refused (400), as is any unknown field.",
-        "properties": {
-            "op": {"type": "string", "enum": ["schedule", "reschedule", "cancel"]},
-            "queue": {"type": "string", "minLength": 1, "description": "destination queue"},
-            "timerKey": {"type": "string", "minLength": 1,
-                         "description": "identity, with the queue and the tenant"},
-            "delayMs": {"type": "integer", "description": "milliseconds from PostgreSQL's now(); "
-                        "a value in the past is legal and fires on the first cycle"},
-            "txn": {"type": "string", "minLength": 1, "description": "transaction id the frame "
-                    "will carry; required for schedule, minted by the server when a reschedule "
-                    "omits it, echoed by cancel"},
-            "payload": {"type": "string", "contentEncoding": "base64"},
-            "partition": {"type": "string", "minLength": 1, "default": "Default"},
-            "payloadZstd": {"type": "boolean", "default": False},
-            "encrypted": {"type": "boolean", "description": "refused when the destination queue "
-                          "encrypts at rest: the broker sets it"},
-        },
+        "properties": {"op": {"const": "cancel"}, "queue": _OP_FIELDS["queue"],
+                       "timerKey": _OP_FIELDS["timerKey"],
+                       "txn": {**_OP_FIELDS["txn"], "type": ["string", "null"]}},
     },
     "ScheduleRequest": {
         "type": "object",
@@ -246,8 +266,8 @@ TIMER_PATHS: dict[str, dict] = {
             {"name": "after", "in": "query", "required": False, "schema": {"type": "string"},
              "description": "exclusive cursor over timerKey (byte order)"},
             {"name": "limit", "in": "query", "required": False,
-             "schema": {"type": "integer", "default": 100, "minimum": 1, "maximum": 1000},
-             "description": "clamped to 1..1000, not rejected; a non-integer is 400"},
+             "schema": {"type": "integer", "default": 100},
+             "description": "any integer, clamped to 1..1000 (not rejected); a non-integer is 400"},
         ],
         "responses": {
             "200": _json("a page", _ref("TimerPage")),

@@ -416,12 +416,16 @@ async def _list(request: Request, principal, queue: str) -> JSONResponse:
     })
 
 
+async def peek_or_cancel(request: Request) -> JSONResponse:
+    """One route for both methods, so a 405 on the key's URL lists both in `Allow`."""
+    return await (cancel(request) if request.method == "DELETE" else peek(request))
+
+
 # Order: the one-segment list route first; `{queue}` never matches a slash,
 # so it cannot shadow the catch-all, and the catch-all needs at least "/".
 routes: list = [
     Route("/openapi.json", openapi_endpoint, methods=["GET"]),
     Route(PREFIX, schedule, methods=["POST"]),
     Route(PREFIX + "/{queue}", list_timers, methods=["GET"]),
-    Route(PREFIX + "/{queue}/{timerKey:anypath}", peek, methods=["GET"]),
-    Route(PREFIX + "/{queue}/{timerKey:anypath}", cancel, methods=["DELETE"]),
+    Route(PREFIX + "/{queue}/{timerKey:anypath}", peek_or_cancel, methods=["GET", "DELETE"]),
 ]

@@ -11,18 +11,24 @@ short on a loaded machine), sends them over HTTP, and checks each response:
 - content_type_conformance:     the Content-Type is the documented one
 - response_schema_conformance:  the body validates against the documented schema
 - response_headers_conformance: documented required headers are there and valid
+- ignored_auth:                 an operation the document secures refuses the same
+                                 request sent without the token (401)
 
 Any failing check fails this test (one pytest subtest per operation).
 """
 
 from __future__ import annotations
 
+from urllib.parse import unquote
+
 import schemathesis
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from schemathesis.checks import not_a_server_error
 from schemathesis.config import SchemathesisConfig
 from schemathesis.specs.openapi.checks import (
     content_type_conformance,
+    ignored_auth,
     response_headers_conformance,
     response_schema_conformance,
     status_code_conformance,
@@ -35,8 +41,8 @@ from timers_util import JWT_SECRET, token
 
 ADMIN = token("admin", sub="fuzzer", tenant="acme")
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance,
-          response_schema_conformance, response_headers_conformance]
-MAX_EXAMPLES = 12      # per operation and generation mode (positive, negative)
+          response_schema_conformance, response_headers_conformance, ignored_auth]
+MAX_EXAMPLES = 20      # per operation and generation mode (positive, negative)
 POP_WAIT_CAP_MS = 100  # a generated long poll may wait this long, not the 30 s default
 
 
@@ -92,3 +98,47 @@ def _bound_long_poll(case) -> None:
 def test_every_route_conforms_to_the_document(case, jwt_broker):
     _bound_long_poll(case)
     case.call_and_validate(base_url=jwt_broker.url, headers=ADMIN, checks=CHECKS)
+
+
+CANCEL = schema["/api/v1/timers/{queue}/{timerKey}"]["DELETE"]
+
+
+def _echoes(response, queue: str, key: str) -> None:
+    if "\x00" in queue + key:
+        assert response.status_code == 400, response.text
+        return
+    assert response.status_code == 200, response.text
+    body = response.json()
+    assert (body["queue"], body["timerKey"], body["status"]) == (queue, key, "absent")
+
+
+def test_generated_timer_keys_reach_the_catch_all(jwt_broker):
+    """The document's `{timerKey}` as schemathesis serialises it (a '/' as %2F, any
+    other reserved or non-ASCII character percent-encoded) reaches the catch-all
+    route and names the key that was generated: the cancel echoes queue and key."""
+    seen: list[str] = []
+    quick = settings(max_examples=40, deadline=None, derandomize=True, database=None,
+                     suppress_health_check=list(HealthCheck))
+
+    @given(case=CANCEL.as_strategy())
+    @quick
+    def generated(case):
+        response = case.call(base_url=jwt_broker.url, headers=ADMIN)
+        key = unquote(case.path_parameters["timerKey"])
+        _echoes(response, unquote(case.path_parameters["queue"]), key)
+        seen.append(key)
+
+    @given(data=st.data())
+    @quick
+    def with_slashes(data):
+        key = data.draw(st.lists(st.text(min_size=1), min_size=2, max_size=4).map("/".join))
+        case = data.draw(CANCEL.as_strategy(path_parameters={"queue": "reminders", "timerKey": key}))
+        assert "/" not in case.path_parameters["timerKey"]  # sent as %2F, as the document says
+        response = case.call(base_url=jwt_broker.url, headers=ADMIN)
+        expected = unquote(case.path_parameters["timerKey"])
+        assert expected.count("/") >= 1
+        _echoes(response, "reminders", expected)
+
+    generated()
+    assert "tenant/42" in seen  # the document's example, sent as tenant%2F42
+    with_slashes()
