@@ -929,7 +929,9 @@ $$;
 -- idempotent); each ack is ack_messages', and an ack that does not
 -- succeed ('Message not found', 'Invalid or expired lease') undoes every
 -- operation before it: the outcome is success = false with failed_index
--- and an empty results, and nothing is written. Every lease in
+-- and an empty results, and nothing is written (the function raises
+-- SQLSTATE QTTXF inside its own block and catches it: it never escapes,
+-- so it has no HTTP mapping). Every lease in
 -- p_required_leases must be held (unexpired) on one of the tenant's
 -- partitions, else nothing is done either; an ack without its own lease
 -- borrows the one required lease when exactly one is named. Push

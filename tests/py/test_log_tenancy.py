@@ -154,6 +154,31 @@ def test_dlq_replay_of_another_tenants_entry_is_404(c, db):
     assert r.status_code == 200 and r.json()["replayed"] is True
 
 
+def test_encryption_follows_the_callers_queue(broker_factory, db):
+    """acme's `secret` encrypts at rest, globex's `secret` does not: push and schedule ask
+    about the caller's queue of that name, never another tenant's."""
+    key_hex = "22" * 32
+    with broker_factory(QUEEN_AUTH="jwt", QUEEN_JWT_SECRET=JWT_SECRET,
+                        QUEEN_ENCRYPTION_KEY=key_hex).client() as c:
+        r = c.post("/api/v1/configure", json={"queue": "secret", "options": {"encryptionEnabled": True}}, headers=A)
+        assert r.status_code == 200
+        for headers, who in ((A, "acme"), (B, "globex")):
+            push(c, headers, f"push-{who}", queue="secret")
+            r = c.post("/api/v1/timers", headers=token("write-only", tenant=who), json={"operations": [
+                {"op": "schedule", "queue": "secret", "timerKey": "k", "delayMs": 3_600_000, "txn": f"t-{who}",
+                 "payload": b64(b"card 4242")}]})
+            assert r.status_code == 200, r.text
+        stored = db.execute("""SELECT q.tenant, m.is_encrypted FROM queen.messages m
+                                 JOIN queen.partitions p ON p.id = m.partition_id JOIN queen.queues q ON q.id = p.queue_id
+                                ORDER BY q.tenant""").fetchall()
+        assert [(r["tenant"], r["is_encrypted"]) for r in stored] == [("acme", True), ("globex", False)]
+        timers = db.execute("SELECT tenant, encrypted FROM queen.timers ORDER BY tenant").fetchall()
+        assert [(r["tenant"], r["encrypted"]) for r in timers] == [("acme", True), ("globex", False)]
+        # each reads its own message back in the clear
+        assert pop(c, A, queue="secret")["messages"][0]["data"] == {"from": "push-acme"}
+        assert pop(c, B, queue="secret")["messages"][0]["data"] == {"from": "push-globex"}
+
+
 def test_auth_off_is_tenant_default(client, db):
     r = client.post("/api/v1/push", json={"items": [{"queue": "plain", "payload": 1}]})
     assert r.status_code == 201
