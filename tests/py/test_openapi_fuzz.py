@@ -103,13 +103,15 @@ def test_every_route_conforms_to_the_document(case, jwt_broker):
 CANCEL = schema["/api/v1/timers/{queue}/{timerKey}"]["DELETE"]
 
 
-def _echoes(response, queue: str, key: str) -> None:
-    if "\x00" in queue + key:
+def _echoes(response, case, queue: str, key: str) -> None:
+    txn = (case.query or {}).get("txn")
+    if "\x00" in queue + key + str(txn or ""):
         assert response.status_code == 400, response.text
         return
     assert response.status_code == 200, response.text
     body = response.json()
     assert (body["queue"], body["timerKey"], body["status"]) == (queue, key, "absent")
+    assert body["txn"] == (txn or None)
 
 
 def test_generated_timer_keys_reach_the_catch_all(jwt_broker):
@@ -125,7 +127,7 @@ def test_generated_timer_keys_reach_the_catch_all(jwt_broker):
     def generated(case):
         response = case.call(base_url=jwt_broker.url, headers=ADMIN)
         key = unquote(case.path_parameters["timerKey"])
-        _echoes(response, unquote(case.path_parameters["queue"]), key)
+        _echoes(response, case, unquote(case.path_parameters["queue"]), key)
         seen.append(key)
 
     @given(data=st.data())
@@ -137,7 +139,7 @@ def test_generated_timer_keys_reach_the_catch_all(jwt_broker):
         response = case.call(base_url=jwt_broker.url, headers=ADMIN)
         expected = unquote(case.path_parameters["timerKey"])
         assert expected.count("/") >= 1
-        _echoes(response, "reminders", expected)
+        _echoes(response, case, "reminders", expected)
 
     generated()
     assert "tenant/42" in seen  # the document's example, sent as tenant%2F42
