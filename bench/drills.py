@@ -153,7 +153,7 @@ async def _http_clients(urls: list[str], queue: str, clients: int, ops: int, sec
                 codes[r.status_code] = codes.get(r.status_code, 0) + 1
                 if r.status_code == 200:
                     body = r.json()
-                    rows = body if isinstance(body, list) else body.get("results", [])
+                    rows = body["results"]
                     for v in rows:
                         if v.get("ok") and v.get("status") in ("scheduled", "rescheduled"):
                             accepted.append((v["txn"], v.get("deliverAt")))

@@ -60,6 +60,46 @@ def bad_request(detail: str) -> ApiError:
     return ApiError(400, "timers_bad_request", detail)
 
 
+def text_problem(value: str) -> str | None:
+    """Why PostgreSQL's text cannot hold this string (NUL, or a lone surrogate
+    that is not UTF-8), or None when it can."""
+    if "\x00" in value:
+        return "may not contain a NUL character"
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return "is not valid Unicode (a lone surrogate)"
+    return None
+
+
+def check_text(value: str, what: str) -> str:
+    """value, or 400 when it cannot reach PostgreSQL as text."""
+    problem = text_problem(value)
+    if problem:
+        raise bad_request(f"{what} {problem}")
+    return value
+
+
+def check_json_unicode(document: object) -> None:
+    """400 when any string of a parsed JSON document (a key or a value) holds a lone
+    surrogate (`"\\ud800"` parses, but is not Unicode and cannot be stored).
+    Iterative: the depth of the document is bounded elsewhere, not here."""
+    stack = [document]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError:
+                raise bad_request("the body holds a string that is not valid Unicode "
+                                  "(a lone surrogate escape)") from None
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+
+
 def is_transient_sqlstate(sqlstate: str | None) -> bool:
     if not sqlstate:
         return True  # no SQLSTATE: the connection broke before the server answered

@@ -7,7 +7,7 @@ dicts, merged at request time:
     OPENAPI_PATHS   = {"/api/v1/...": {"get": {...}}}       # merged into "paths"
     OPENAPI_SCHEMAS = {"Name": {...}}                        # merged into components.schemas
 
-Path templates use OpenAPI's `{name}` (a Starlette `{timerKey:path}` is
+Path templates use OpenAPI's `{name}` (a Starlette `{timerKey:anypath}` is
 `{timerKey}` here). Every route the app registers must appear
 (tests/py/test_timers_openapi.py checks it).
 """
@@ -54,6 +54,35 @@ def _forbidden_only() -> dict:
     return _error("the credential's access level is too low", ["forbidden"])
 
 
+# strict base64 with padding, as the broker decodes it
+BASE64_PATTERN = "^(?:[A-Za-z0-9+/]{4})*(?:[A-Za-z0-9+/]{2}==|[A-Za-z0-9+/]{3}=)?$"
+_OP_FIELDS: dict[str, dict] = {
+    "queue": {"type": "string", "minLength": 1, "description": "destination queue; at most 255 bytes of UTF-8"},
+    "timerKey": {"type": "string", "minLength": 1, "description": "identity, with the queue and the tenant; at most 1024 bytes of UTF-8"},
+    "delayMs": {"type": "integer", "minimum": -(2 ** 63), "maximum": 2 ** 63 - 1,
+                "description": "milliseconds from PostgreSQL's now(); a value in the past is legal and "
+                               "fires on the first cycle; beyond the horizon in force is 403"},
+    "txn": {"type": "string", "minLength": 1, "description": "transaction id the frame will carry; "
+            "required for schedule, minted by the server when a reschedule omits it, echoed by cancel; at most 255 bytes of UTF-8"},
+    "payload": {"type": "string", "contentEncoding": "base64", "pattern": BASE64_PATTERN,
+                "description": "base64 (with padding); with payloadZstd, a zstd frame"},
+    "partition": {"type": ["string", "null"], "minLength": 1, "default": "Default",
+                  "description": "at most 255 bytes of UTF-8"},
+    "payloadZstd": {"type": ["boolean", "null"], "default": False},
+    "encrypted": {"type": ["boolean", "null"], "description": "refused when the destination queue "
+                  "encrypts at rest: the broker sets it"},
+}
+
+
+def _timer_op(op: str, required: list[str]) -> dict:
+    fields = {k: v for k, v in _OP_FIELDS.items()}
+    if "txn" not in required:
+        fields["txn"] = {**fields["txn"], "type": ["string", "null"]}
+    return {"type": "object", "additionalProperties": False,
+            "required": ["op", "queue", "timerKey", *required],
+            "properties": {"op": {"const": op}, **fields}}
+
+
 SCHEMAS: dict[str, dict] = {
     "Error": {
         "type": "object",
@@ -62,31 +91,20 @@ SCHEMAS: dict[str, dict] = {
                        "detail": {"type": "string", "description": "what went wrong, for a human"}},
     },
     "TimerOperation": {
+        "oneOf": [_ref("ScheduleOperation"), _ref("RescheduleOperation"), _ref("CancelOperation")],
+        "description": "one operation, by `op`. producerSub, messageId, tenant and any field starting "
+                       "with '_' are owned by the server and refused (400), as is any unknown field or "
+                       "a field that does not apply to the op; null is the same as absent.",
+    },
+    "ScheduleOperation": _timer_op("schedule", ["delayMs", "txn", "payload"]),
+    "RescheduleOperation": _timer_op("reschedule", ["delayMs", "payload"]),
+    "CancelOperation": {
         "type": "object",
         "additionalProperties": False,
         "required": ["op", "queue", "timerKey"],
-        "description": "schedule/reschedule need delayMs and payload; schedule also needs txn. "
-                       "producerSub, messageId, tenant and any field starting with '_' are owned by "
-                       "the server and refused (400), as is any unknown field.",
-        "properties": {
-            "op": {"type": "string", "enum": ["schedule", "reschedule", "cancel"]},
-            "queue": {"type": "string", "minLength": 1,
-                      "description": "destination queue; at most 255 bytes of UTF-8"},
-            "timerKey": {"type": "string", "minLength": 1,
-                         "description": "identity, with the queue and the tenant; at most 1024 bytes "
-                                        "of UTF-8"},
-            "delayMs": {"type": "integer", "description": "milliseconds from PostgreSQL's now(); "
-                        "a value in the past is legal and fires on the first cycle"},
-            "txn": {"type": "string", "minLength": 1, "description": "transaction id the frame "
-                    "will carry; required for schedule, minted by the server when a reschedule "
-                    "omits it, echoed by cancel; at most 255 bytes of UTF-8"},
-            "payload": {"type": "string", "contentEncoding": "base64"},
-            "partition": {"type": "string", "minLength": 1, "default": "Default",
-                          "description": "at most 255 bytes of UTF-8"},
-            "payloadZstd": {"type": "boolean", "default": False},
-            "encrypted": {"type": "boolean", "description": "refused when the destination queue "
-                          "encrypts at rest: the broker sets it"},
-        },
+        "properties": {"op": {"const": "cancel"}, "queue": _OP_FIELDS["queue"],
+                       "timerKey": _OP_FIELDS["timerKey"],
+                       "txn": {**_OP_FIELDS["txn"], "type": ["string", "null"]}},
     },
     "ScheduleRequest": {
         "type": "object",
@@ -114,6 +132,13 @@ SCHEMAS: dict[str, dict] = {
             "deliverAt": {"type": ["string", "null"], "format": "date-time",
                           "description": "not before; ISO-8601 UTC with microseconds"},
         },
+    },
+    "ScheduleResult": {
+        "type": "object",
+        "required": ["results"],
+        "additionalProperties": False,
+        "properties": {"results": {"type": "array", "items": _ref("TimerVerdict"),
+                                   "description": "index-aligned with `operations`"}},
     },
     "CancelResult": {
         "type": "object",
@@ -183,8 +208,13 @@ SCHEMAS: dict[str, dict] = {
 
 QUEUE_PARAM = {"name": "queue", "in": "path", "required": True, "schema": {"type": "string"}}
 KEY_PARAM = {"name": "timerKey", "in": "path", "required": True,
-             "description": "catch-all: may contain '/', raw or percent-encoded (`tenant/42`)",
-             "schema": {"type": "string"}}
+             "description": "any text, '/' included: the contract's catch-all `*timerKey`. As OpenAPI "
+                            "3.1 serialises a path parameter, a '/' in the key is percent-encoded "
+                            "(`tenant%2F42`); the broker also takes it raw (`tenant/42`), and both "
+                            "name the same key. Everything after `{queue}/` is the key.",
+             "schema": {"type": "string", "minLength": 1},
+             "examples": {"slash": {"summary": "a key with a slash", "value": "tenant/42"},
+                          "plain": {"value": "trial:acme:day7"}}}
 UNAVAILABLE = _error("the database cannot answer (pool exhausted, statement timeout, unreachable)",
                      ["timers_unavailable"], RETRY_AFTER)
 
@@ -216,8 +246,8 @@ TIMER_PATHS: dict[str, dict] = {
         "requestBody": {"required": True,
                         "content": {"application/json": {"schema": _ref("ScheduleRequest")}}},
         "responses": {
-            "200": _json("one verdict per operation, in input order",
-                         {"type": "array", "items": _ref("TimerVerdict")}),
+            "200": _json("one verdict per operation, in input order, under `results` "
+                         "(the envelope Queen's clients read)", _ref("ScheduleResult")),
             "400": _error("shape: the batch is refused before any SQL", ["timers_bad_request"]),
             **AUTH_RESPONSES,
             "403": _error("a rung refused the batch (or the credential is too low: forbidden)",
@@ -240,8 +270,8 @@ TIMER_PATHS: dict[str, dict] = {
             {"name": "after", "in": "query", "required": False, "schema": {"type": "string"},
              "description": "exclusive cursor over timerKey (byte order)"},
             {"name": "limit", "in": "query", "required": False,
-             "schema": {"type": "integer", "default": 100, "minimum": 1, "maximum": 1000},
-             "description": "clamped to 1..1000, not rejected; a non-integer is 400"},
+             "schema": {"type": "integer", "default": 100},
+             "description": "any integer, clamped to 1..1000 (not rejected); a non-integer is 400"},
         ],
         "responses": {
             "200": _json("a page", _ref("TimerPage")),

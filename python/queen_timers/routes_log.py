@@ -23,10 +23,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from . import payloads
+from . import convertors, payloads  # noqa: F401 (convertors: registers {x:anypath})
 from .auth import READ_ONLY, READ_WRITE
 from .bodies import read_json
-from .errors import ApiError, bad_request, from_exception
+from .errors import ApiError, bad_request, check_json_unicode, from_exception
 from .limits import check_name
 
 QUEUE_MODE = "__QUEUE_MODE__"
@@ -71,6 +71,7 @@ async def _json_body(request: Request) -> dict:
     body = await read_json(request, empty=None)
     if not isinstance(body, dict):
         raise bad_request("the body must be a JSON object")
+    check_json_unicode(body)
     return body
 
 
@@ -556,7 +557,10 @@ async def extend_lease(request: Request) -> JSONResponse:
     array {index, leaseId, success, error, expiresAt, newExpiresAt, renewed}."""
     principal = request.app.state.auth.require(request, READ_WRITE)
     lease_id = _no_nul("leaseId", request.path_params["leaseId"])
-    body = await _json_body(request) if (await request.body()).strip() else {}
+    body = await read_json(request, empty={})
+    if not isinstance(body, dict):
+        raise bad_request("the body must be a JSON object")
+    check_json_unicode(body)
     seconds = body.get("seconds")
     if seconds is None:
         seconds = 60
@@ -578,7 +582,7 @@ routes = [
     Route("/api/v1/pop/queue/{queue}/partition/{partition}", pop, methods=["GET"]),
     Route("/api/v1/ack", ack, methods=["POST"]),
     Route("/api/v1/ack/batch", ack_batch, methods=["POST"]),
-    Route("/api/v1/messages/{partitionId}/{transactionId:path}", get_message, methods=["GET"]),
+    Route("/api/v1/messages/{partitionId}/{transactionId:anypath}", get_message, methods=["GET"]),
     Route("/api/v1/dlq", list_dlq, methods=["GET"]),
     Route("/api/v1/dlq/{id}/replay", replay_dlq, methods=["POST"]),
     Route("/api/v1/transaction", transaction, methods=["POST"]),
@@ -620,10 +624,10 @@ def _p(name: str, description: str) -> dict:
 
 
 _POP_PARAMS = [
-    _q("batch", {"type": "integer", "minimum": 1, "default": 1}, "messages per pop (clamped to 1..10000)"),
+    _q("batch", {"type": "integer", "default": 1}, "messages per pop (any integer, clamped to 1..10000)"),
     _q("wait", {"type": "boolean", "default": False}, "long-poll until a message is available or `timeout`"),
-    _q("timeout", {"type": "integer", "minimum": 0, "default": DEFAULT_POP_TIMEOUT_MS},
-       f"long-poll bound in ms (clamped to {MAX_POP_TIMEOUT_MS})"),
+    _q("timeout", {"type": "integer", "default": DEFAULT_POP_TIMEOUT_MS},
+       f"long-poll bound in ms (any integer, clamped to 0..{MAX_POP_TIMEOUT_MS})"),
     _q("consumerGroup", {"type": "string", "default": QUEUE_MODE},
        "consumer group; the default is the competing-consumers queue mode"),
     _q("autoAck", {"type": "boolean", "default": False}, "move the cursor at once; no lease (leaseId \"\")"),
@@ -677,8 +681,8 @@ OPENAPI_PATHS: dict = {
         "summary": "Dead letters, newest first (`partition`, `from`, `to` are ignored, as in Queen)",
         "parameters": [_q("queue", {"type": "string"}, "queue name (all queues when absent)"),
                        _q("consumerGroup", {"type": "string"}, "consumer group (all when absent)"),
-                       _q("limit", {"type": "integer", "default": 100, "minimum": 1, "maximum": 1000}, "page size"),
-                       _q("offset", {"type": "integer", "default": 0, "minimum": 0}, "rows to skip")],
+                       _q("limit", {"type": "integer", "default": 100}, "page size (any integer, clamped to 1..1000)"),
+                       _q("offset", {"type": "integer", "default": 0}, "rows to skip (a negative one is 0)")],
         "responses": {"200": _json("a page", _ref("DlqPage")), **_BAD, **_AUTH, **_UNAVAILABLE}}},
     "/api/v1/dlq/{id}/replay": {"post": {
         "summary": "Replay a dead letter into its partition as a new message (not a timer's)",
@@ -701,7 +705,7 @@ OPENAPI_PATHS: dict = {
         "summary": "Extend a pop's lease to at least now + `seconds` (never shortens it)",
         "parameters": [_p("leaseId", "the leaseId a pop returned")],
         "requestBody": {"required": False, "content": {"application/json": {"schema": {
-            "type": "object", "properties": {"seconds": {"type": "integer", "minimum": 1, "maximum": 86400,
+            "type": "object", "properties": {"seconds": {"type": ["integer", "null"], "minimum": 1, "maximum": 86400,
                                                          "default": 60}}}}}},
         "responses": {"200": _json("a one-element array; success false when the lease is unknown, released, "
                                    "expired or another tenant's",
@@ -709,8 +713,8 @@ OPENAPI_PATHS: dict = {
                       **_BAD, **_AUTH, **_UNAVAILABLE}}},
 }
 
-_INT = {"type": "integer", "minimum": 0}
-_BOOL = {"type": "boolean"}
+_INT = {"type": ["integer", "null"], "minimum": 0, "maximum": 999999999}  # null: the default
+_BOOL = {"type": ["boolean", "null"]}
 _OPTIONS = {
     "leaseTime": _INT, "retryLimit": _INT, "retryDelay": _INT, "maxSize": _INT, "ttl": _INT, "priority": _INT,
     "delayedProcessing": _INT, "windowBuffer": _INT, "retentionSeconds": _INT, "completedRetentionSeconds": _INT,
@@ -732,7 +736,7 @@ OPENAPI_SCHEMAS: dict = {
     "ConfigureRequest": {"type": "object", "required": ["queue"], "properties": {
         "queue": {"type": "string", "minLength": 1}, "namespace": {"type": ["string", "null"]},
         "task": {"type": ["string", "null"]},
-        "options": {"type": "object", "properties": _OPTIONS,
+        "options": {"type": ["object", "null"], "properties": _OPTIONS,
                     "description": "camelCase; unknown keys are dropped, missing ones reset to the default"}}},
     "ConfigureResult": {"type": "object", "properties": {
         "configured": {"const": True}, "queueId": {"type": "string", "format": "uuid"},
@@ -745,7 +749,7 @@ OPENAPI_SCHEMAS: dict = {
             "partition": {"type": "string", "default": "Default"},
             "payload": {"description": "any JSON value (default {}); stored as its compact JSON bytes"},
             "transactionId": {"type": "string", "description": "unique per partition; generated when absent"},
-            "traceId": {"type": "string", "format": "uuid"}},
+            "traceId": {"type": ["string", "null"], "format": "uuid"}},
         "description": "producerSub and messageId are set by the server; values sent are ignored"}}}},
     "PushResult": {"type": "object", "properties": {
         "index": {"type": "integer"}, "transaction_id": {"type": "string"},
@@ -760,9 +764,10 @@ OPENAPI_SCHEMAS: dict = {
         "messages": {"type": "array", "items": {"type": "object", "properties": {
             **_MESSAGE_FIELDS, "leaseId": {"type": "string"}, "consumerGroup": {"type": "string"}}}}}},
     "Ack": {"type": "object", "required": ["transactionId", "partitionId"], "properties": {
-        "transactionId": {"type": "string"}, "partitionId": {"type": "string", "format": "uuid"},
+        "transactionId": {"type": "string", "minLength": 1}, "partitionId": {"type": "string", "format": "uuid"},
         "status": {"enum": list(ACK_STATUSES), "default": "completed"},
-        "error": {"type": ["string", "null"]}, "leaseId": {"type": ["string", "null"]},
+        "error": {"description": "a string, or any JSON value (stored as its JSON text); null: none"},
+        "leaseId": {"type": ["string", "null"]},
         "consumerGroup": {"type": ["string", "null"]}}},
     "AckResult": {"type": "object", "properties": {
         "index": {"type": "integer"}, "transactionId": {"type": "string"}, "success": {"type": "boolean"},
@@ -794,7 +799,7 @@ OPENAPI_SCHEMAS: dict = {
                 "items": {"type": "array", "items": {"type": "object", "required": ["queue"], "properties": {
                     "queue": {"type": "string", "minLength": 1}, "partition": {"type": "string"},
                     "payload": {"description": "any JSON value (`data` is read when payload is absent)"},
-                    "transactionId": {"type": "string"}, "traceId": {"type": "string", "format": "uuid"}}}}}},
+                    "transactionId": {"type": "string"}, "traceId": {"type": ["string", "null"], "format": "uuid"}}}}}},
             {"allOf": [{"type": "object", "required": ["type"], "properties": {"type": {"const": "ack"}}},
                        _ref("Ack")]}]}},
         "requiredLeases": {"type": "array", "items": {"type": "string"},

@@ -237,6 +237,7 @@ OPENAPI_PATHS: dict = {
         "The only switch that stops the fire."),
     "/metrics/prometheus": {
         "get": {"summary": "Prometheus metrics", "tags": ["system"], "x-access-level": "public",
+                "security": [],
                 "responses": {"200": {"description": "text exposition format 0.0.4",
                                       "content": {"text/plain": {"schema": {"type": "string"}}}}}},
     },

@@ -24,10 +24,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from . import payloads
+from . import convertors, payloads  # noqa: F401 (convertors: registers {x:anypath})
 from .auth import READ_ONLY, READ_WRITE, WRITE_ONLY
 from .bodies import read_json
-from .errors import ApiError, bad_request, from_exception
+from .errors import ApiError, bad_request, check_json_unicode, from_exception
 from .limits import check_name
 from .openapi import openapi_endpoint
 
@@ -283,6 +283,7 @@ async def schedule(request: Request) -> JSONResponse:
     principal = request.app.state.auth.require(request, WRITE_ONLY)
     settings = request.app.state.settings
     body = await read_json(request)
+    check_json_unicode(body)
     ops = _parse_ops(body, settings.timers_max_ops)
 
     async def work(conn):
@@ -312,11 +313,13 @@ async def schedule(request: Request) -> JSONResponse:
         return await cur.fetchall()
 
     rows = await _run(request, work, hint=True)
-    return JSONResponse([
+    # {"results": [...]}: the envelope Queen's clients read (queen-mq's
+    # Timers.batch takes response["results"]); index-aligned with the ops.
+    return JSONResponse({"results": [
         {"ok": r["ok"], "status": r["status"], "queue": r["queue"], "timerKey": r["timer_key"],
          "txn": r["txn"], "messageId": _str(r["message_id"]), "deliverAt": iso(r["deliver_at"])}
         for r in rows
-    ])
+    ]})
 
 
 # ---------------------------------------------------------------------------
@@ -413,12 +416,16 @@ async def _list(request: Request, principal, queue: str) -> JSONResponse:
     })
 
 
+async def peek_or_cancel(request: Request) -> JSONResponse:
+    """One route for both methods, so a 405 on the key's URL lists both in `Allow`."""
+    return await (cancel(request) if request.method == "DELETE" else peek(request))
+
+
 # Order: the one-segment list route first; `{queue}` never matches a slash,
 # so it cannot shadow the catch-all, and the catch-all needs at least "/".
 routes: list = [
     Route("/openapi.json", openapi_endpoint, methods=["GET"]),
     Route(PREFIX, schedule, methods=["POST"]),
     Route(PREFIX + "/{queue}", list_timers, methods=["GET"]),
-    Route(PREFIX + "/{queue}/{timerKey:path}", peek, methods=["GET"]),
-    Route(PREFIX + "/{queue}/{timerKey:path}", cancel, methods=["DELETE"]),
+    Route(PREFIX + "/{queue}/{timerKey:anypath}", peek_or_cancel, methods=["GET", "DELETE"]),
 ]

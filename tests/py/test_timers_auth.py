@@ -58,7 +58,7 @@ def test_access_levels(jwt_client, db, role, allowed):
 
 def test_producer_sub_and_tenant_come_from_the_token(jwt_client, db):
     r = post(jwt_client, op("schedule", "k"), headers=token("write-only", sub="billing-service"))
-    assert r.json()[0]["status"] == "scheduled"
+    assert r.json()["results"][0]["status"] == "scheduled"
     [row] = rows(db)
     assert (row["tenant"], row["producer_sub"]) == ("acme", "billing-service")
     peek = jwt_client.get("/api/v1/timers/reminders/k", headers=token("read-only", sub="someone-else"))
@@ -73,7 +73,7 @@ def test_another_tenants_timer_is_absent_and_invisible(jwt_client, db):
     d = jwt_client.delete("/api/v1/timers/reminders/k", headers=other)
     assert d.json()["status"] == "absent" and d.json()["ok"] is False
     assert post(jwt_client, op("cancel", "k"), headers=token("write-only", tenant="globex")
-                ).json()[0]["status"] == "absent"
+                ).json()["results"][0]["status"] == "absent"
     # globex scheduling the same key makes a second, separate timer
     post(jwt_client, op("schedule", "k"), headers=token("write-only", tenant="globex"))
     assert [r["tenant"] for r in rows(db)] == ["acme", "globex"]

@@ -26,7 +26,7 @@ def enc_client(broker_factory, db):
 
 def test_encrypting_queue_stores_the_envelope(enc_client, db):
     r = post(enc_client, op("schedule", "k", queue="secret", payload=b64(b"card 4242")))
-    assert r.json()[0]["status"] == "scheduled"
+    assert r.json()["results"][0]["status"] == "scheduled"
     [row] = rows(db)
     assert row["encrypted"] is True and row["payload_zstd"] is False
     assert b"card 4242" not in row["payload"]
@@ -78,4 +78,4 @@ def test_encrypting_queue_without_a_key_is_403_feature_gated(client, db):
     assert r.headers["x-queen-timers-hint"] == HINT
     assert rows(db) == []
     # cancels into that queue are unaffected
-    assert post(client, op("cancel", "k", queue="secret")).json()[0]["status"] == "absent"
+    assert post(client, op("cancel", "k", queue="secret")).json()["results"][0]["status"] == "absent"

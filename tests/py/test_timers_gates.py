@@ -106,7 +106,7 @@ def test_pending_quota_is_403_and_cancel_still_answers(tenancy, db):
                    "timers_quota_exceeded", db, before=2)
     assert "2" in body["detail"]
     # rescheduling an existing row creates nothing and passes
-    assert post(tenancy, op("reschedule", "a")).json()[0]["status"] == "rescheduled"
+    assert post(tenancy, op("reschedule", "a")).json()["results"][0]["status"] == "rescheduled"
     # a cancel for a tenant over quota still answers 200 on DELETE
     d = tenancy.delete("/api/v1/timers/reminders/a?txn=txn-a")
     assert d.status_code == 200 and d.json()["status"] == "cancelled"

@@ -42,6 +42,12 @@ def test_timer_routes_document_every_status_and_slug(client, db):
     paths = client.get("/openapi.json").json()["paths"]
     post = paths["/api/v1/timers"]["post"]["responses"]
     assert set(post) == {"200", "400", "401", "403", "413", "429", "500", "503"}
+    # the answer is the object envelope {"results": [...]} Queen's clients read
+    ok = post["200"]["content"]["application/json"]["schema"]
+    assert ok == {"$ref": "#/components/schemas/ScheduleResult"}
+    envelope = client.get("/openapi.json").json()["components"]["schemas"]["ScheduleResult"]
+    assert envelope["type"] == "object" and envelope["required"] == ["results"]
+    assert envelope["properties"]["results"]["items"] == {"$ref": "#/components/schemas/TimerVerdict"}
     assert _slugs(post["403"]) == {"forbidden", "feature_gated", "produce_blocked",
                                    "timers_quota_exceeded", "timer_horizon_exceeded"}
     assert _slugs(post["413"]) == {"payload_too_large", "body_too_large"}
