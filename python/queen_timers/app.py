@@ -17,6 +17,7 @@ from .auth import Authenticator
 from .config import Settings
 from .db import make_pool
 from .errors import ApiError, from_exception
+from .retention import Retention
 from .sweeper import Sweeper
 
 log = logging.getLogger("queen_timers")
@@ -53,14 +54,17 @@ def create_app(settings: Settings | None = None) -> Starlette:
     settings = settings or Settings.from_env()
     pool = make_pool(settings)
     sweeper = Sweeper(settings)
+    retention = Retention(settings, sweeper.metrics)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):
         await pool.open(wait=False)
         await sweeper.start()
+        await retention.start()
         try:
             yield
         finally:
+            await retention.stop()
             await sweeper.stop()
             await pool.close()
 
@@ -77,4 +81,5 @@ def create_app(settings: Settings | None = None) -> Starlette:
     app.state.pool = pool
     app.state.auth = Authenticator(settings)
     app.state.sweeper = sweeper
+    app.state.retention = retention
     return app
