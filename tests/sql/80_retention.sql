@@ -3,7 +3,7 @@
 -- frames every group consumed; the DLQ rule; cursors stay valid; every
 -- call is bounded by p_limit. The clock is pinned (p_now).
 BEGIN;
-SELECT plan(33);
+SELECT plan(37);
 
 CREATE FUNCTION pg_temp.t0() RETURNS timestamptz LANGUAGE sql AS $$ SELECT '2030-01-01 00:00:00+00'::timestamptz $$;
 CREATE FUNCTION pg_temp.at(p_seconds numeric) RETURNS timestamptz LANGUAGE sql AS $$ SELECT pg_temp.t0() + p_seconds * interval '1 second' $$;
@@ -126,6 +126,20 @@ SELECT is(pg_temp.ret(10, pg_temp.at(100)), '10/0/0/0', 'the next call: the rest
 SELECT is(pg_temp.ret(10, pg_temp.at(100)) || ' ' || pg_temp.ret(10, pg_temp.at(100)), '5/0/3/0 0/0/0/0',
           'dead letters count in the bound; then nothing is left');
 SELECT is(pg_temp.ret(NULL, pg_temp.at(100)), '0/0/0/0', 'p_limit NULL is the default (1000)');
+
+-- ---------------------------------------------------------------- after a delete: lease, ack, dedupe
+SELECT pg_temp.conf('r-lease', '{"retentionEnabled": true, "retentionSeconds": 5, "leaseTime": 3600}');
+SELECT pg_temp.fill('r-lease', 'p', 3);
+CREATE TEMP TABLE leased AS SELECT * FROM queen.pop_messages('r-lease', 'p', 'w', 10, false, pg_temp.at(1));
+SELECT is((SELECT count(*) FROM leased), 3::bigint, 'group w leased frames 1..3');
+SELECT is(pg_temp.ret(1000, pg_temp.at(100)), '3/0/0/0', 'pending retention deletes frames inside a live lease too');
+SELECT results_eq($$SELECT success, error FROM queen.ack_messages(ARRAY[ROW('p-1', (SELECT partition_id FROM leased LIMIT 1),
+                                                                            'completed', NULL, (SELECT lease_id::text FROM leased LIMIT 1), 'w')::queen.ack_item],
+                                                                  pg_temp.at(2))$$,
+                  $$VALUES (false, 'Message not found')$$, 'an ack of a deleted frame answers Message not found');
+SELECT is((SELECT status FROM queen.push_messages(ARRAY[ROW('r-lease', 'p', 'p-1', NULL, '\x01'::bytea, false)::queen.push_item])),
+          'queued', 'a deleted frame''s transactionId is no longer a duplicate: the dedupe window is the retention window');
+SELECT pg_temp.done('r-lease');
 
 SELECT * FROM finish();
 ROLLBACK;
