@@ -23,13 +23,15 @@
 
 -- Delete what retention allows, at most p_limit rows in all (frames and
 -- dead letters), partition by partition in (queue, partition) order.
--- Safe to call from any number of sessions at once: a partition is
--- worked on by one session at a time (a transaction-level
--- pg_try_advisory_xact_lock(7261005, hashtext(partition id)); a session
--- that finds it taken skips the partition and counts it in
--- partitions_skipped, it never waits). It takes no partition row lock, so
--- appends (push, the fire) never wait on it; dead letters a replay holds
--- are skipped (SKIP LOCKED).
+-- Safe to call from any number of sessions at once: a partition with
+-- something to delete is worked on by one session at a time (a
+-- transaction-level pg_try_advisory_xact_lock(7261005, hashtext(partition
+-- id)); a session that finds it taken skips the partition and counts it in
+-- partitions_skipped, it never waits). A partition with nothing to delete
+-- costs two index probes and no lock; one call locks at most 1000
+-- partitions (the lock table is finite), the next call goes on. It
+-- takes no partition row lock, so appends (push, the fire) never wait on
+-- it; dead letters a replay holds are skipped (SKIP LOCKED).
 --   pending_deleted   frames deleted that some group had not consumed
 --                     (or in a partition no group reads)
 --   completed_deleted frames deleted that every group had consumed
@@ -58,6 +60,9 @@ DECLARE
     v_completed bigint := 0;
     v_dlq       bigint := 0;
     v_skipped   integer := 0;
+    v_locked    integer := 0;
+    v_head_due  boolean;
+    v_dlq_due   boolean;
 BEGIN
     FOR c IN
         SELECT p.id, q.retention_seconds, q.completed_retention_seconds
@@ -67,12 +72,7 @@ BEGIN
            AND (q.retention_seconds > 0 OR q.completed_retention_seconds > 0 OR v_dlq_secs > 0)
          ORDER BY q.name, p.name
     LOOP
-        EXIT WHEN v_room <= 0;
-        IF NOT pg_try_advisory_xact_lock(7261005, hashtext(c.id::text)) THEN
-            v_skipped := v_skipped + 1;
-            CONTINUE;
-        END IF;
-
+        EXIT WHEN v_room <= 0 OR v_locked >= 1000;
         v_pend_cut := CASE WHEN c.retention_seconds > 0
                            THEN v_now - make_interval(secs => c.retention_seconds) END;
         v_done_cut := CASE WHEN c.completed_retention_seconds > 0
@@ -81,11 +81,23 @@ BEGIN
           FROM queen.partition_consumers pc WHERE pc.partition_id = c.id;
         v_upto := CASE WHEN v_done_cut IS NOT NULL THEN v_min END;
 
-        -- one index probe: is the first frame of the partition deletable at all?
+        -- index probes, before any lock: is the first frame deletable, is a dead letter old enough?
+        -- (cursors only move forward, so v_min read now is safe to use after the lock)
         SELECT m.seq, m.created_at INTO v_seq, v_at
           FROM queen.messages m WHERE m.partition_id = c.id ORDER BY m.seq LIMIT 1;
-        IF FOUND AND (coalesce(v_at < v_pend_cut, false)
-                      OR coalesce(v_seq <= v_upto AND v_at < v_done_cut, false)) THEN
+        v_head_due := FOUND AND (coalesce(v_at < v_pend_cut, false)
+                                 OR coalesce(v_seq <= v_upto AND v_at < v_done_cut, false));
+        v_dlq_due := v_dlq_secs > 0 AND EXISTS (
+            SELECT 1 FROM queen.dead_letter_queue d
+             WHERE d.partition_id = c.id AND d.failed_at < v_now - make_interval(secs => v_dlq_secs));
+        CONTINUE WHEN NOT (v_head_due OR v_dlq_due);
+        IF NOT pg_try_advisory_xact_lock(7261005, hashtext(c.id::text)) THEN
+            v_skipped := v_skipped + 1;
+            CONTINUE;
+        END IF;
+        v_locked := v_locked + 1;
+
+        IF v_head_due THEN
             WITH head AS (
                 SELECT m.id, m.seq,
                        coalesce(m.created_at < v_pend_cut, false)
@@ -109,7 +121,7 @@ BEGIN
             v_room := v_room - v_n;
         END IF;
 
-        IF v_dlq_secs > 0 AND v_room > 0 THEN
+        IF v_dlq_due AND v_room > 0 THEN
             WITH old AS (
                 SELECT d.id
                   FROM queen.dead_letter_queue d

@@ -3,7 +3,7 @@
 -- frames every group consumed; the DLQ rule; cursors stay valid; every
 -- call is bounded by p_limit. The clock is pinned (p_now).
 BEGIN;
-SELECT plan(37);
+SELECT plan(39);
 
 CREATE FUNCTION pg_temp.t0() RETURNS timestamptz LANGUAGE sql AS $$ SELECT '2030-01-01 00:00:00+00'::timestamptz $$;
 CREATE FUNCTION pg_temp.at(p_seconds numeric) RETURNS timestamptz LANGUAGE sql AS $$ SELECT pg_temp.t0() + p_seconds * interval '1 second' $$;
@@ -140,6 +140,16 @@ SELECT results_eq($$SELECT success, error FROM queen.ack_messages(ARRAY[ROW('p-1
 SELECT is((SELECT status FROM queen.push_messages(ARRAY[ROW('r-lease', 'p', 'p-1', NULL, '\x01'::bytea, false)::queen.push_item])),
           'queued', 'a deleted frame''s transactionId is no longer a duplicate: the dedupe window is the retention window');
 SELECT pg_temp.done('r-lease');
+
+-- ---------------------------------------------------------------- one call locks at most 1000 partitions
+SELECT pg_temp.conf('r-wide', '{"retentionEnabled": true, "retentionSeconds": 1}');
+SELECT count(*) FROM queen.push_messages((SELECT array_agg(ROW('r-wide', 'x' || g, 'x' || g || '-1', NULL, '\x00'::bytea, false)::queen.push_item)
+                                            FROM generate_series(1, 1001) g));
+UPDATE queen.messages m SET created_at = pg_temp.t0() FROM queen.partitions p JOIN queen.queues q ON q.id = p.queue_id
+ WHERE m.partition_id = p.id AND q.name = 'r-wide';
+SELECT is(pg_temp.ret(5000, pg_temp.at(100)), '1000/0/0/0', '1001 partitions with an expired frame each: one call works on 1000');
+SELECT is(pg_temp.ret(5000, pg_temp.at(100)), '1/0/0/0', 'the next call finds the last one (the others have nothing left: no lock)');
+SELECT pg_temp.done('r-wide');
 
 SELECT * FROM finish();
 ROLLBACK;
