@@ -24,7 +24,8 @@ PARTS = 4
 
 def _backlog(conn) -> int:
     return conn.execute("""SELECT count(*) FROM queen.messages m JOIN queen.partitions p ON p.id = m.partition_id
-                            JOIN queen.queues q ON q.id = p.queue_id WHERE q.name = %s""", (LOG_QUEUE,)).fetchone()[0]
+                            JOIN queen.queues q ON q.id = p.queue_id
+                           WHERE q.tenant = 'default' AND q.name = %s""", (LOG_QUEUE,)).fetchone()[0]
 
 
 def _top_up(conn, size: int, tag: str) -> None:
@@ -33,14 +34,14 @@ def _top_up(conn, size: int, tag: str) -> None:
     if missing <= 0:
         return
     for i in range(PARTS):
-        conn.execute("SELECT queen.lock_partition(%s, %s)", (LOG_QUEUE, f"p{i}"))
+        conn.execute("SELECT queen.lock_partition('default', %s, %s)", (LOG_QUEUE, f"p{i}"))
     conn.execute("""
         INSERT INTO queen.messages (id, transaction_id, partition_id, payload, created_at)
         SELECT queen.uuid_v7(), %(tag)s || '-' || g, p.id, convert_to(rpad('{"n":' || g || '}', 64, ' '), 'UTF8'),
                now() - interval '2 hours'
           FROM generate_series(1, %(n)s) g
           JOIN queen.partitions p ON p.name = 'p' || (g %% %(parts)s)
-          JOIN queen.queues q ON q.id = p.queue_id AND q.name = %(q)s""",
+          JOIN queen.queues q ON q.id = p.queue_id AND q.tenant = 'default' AND q.name = %(q)s""",
                  {"tag": tag, "n": missing, "parts": PARTS, "q": LOG_QUEUE})
 
 
@@ -52,7 +53,8 @@ def _fire(conn, queue: str, n: int, timeout: float) -> float | None:
     end = conn.execute("SELECT extract(epoch FROM clock_timestamp())::float8").fetchone()[0]
     first = conn.execute("""SELECT extract(epoch FROM min(m.created_at))::float8 FROM queen.messages m
                               JOIN queen.partitions p ON p.id = m.partition_id
-                              JOIN queen.queues q ON q.id = p.queue_id WHERE q.name = %s""", (queue,)).fetchone()[0]
+                              JOIN queen.queues q ON q.id = p.queue_id
+                             WHERE q.tenant = 'default' AND q.name = %s""", (queue,)).fetchone()[0]
     return end - first
 
 
@@ -65,12 +67,12 @@ def bench_retention(url: str, perf_broker, res, n: int, backlog: int, rounds: in
     try:
         with connect(url) as conn:
             conn.execute("SELECT queen.pause_fire()")
-            conn.execute("SELECT queen.configure_queue(%s, NULL, NULL, '{\"retentionSeconds\": 3600}')", (LOG_QUEUE,))
+            conn.execute("SELECT queen.configure_queue('default', %s, NULL, NULL, '{\"retentionSeconds\": 3600}')", (LOG_QUEUE,))
             for r in range(rounds):
                 rate = {}
                 for mode in ("idle", "busy"):
                     queue = f"bench-ret-fire-{r}-{mode}"
-                    conn.execute("UPDATE queen.queues SET retention_enabled = false WHERE name = %s", (LOG_QUEUE,))
+                    conn.execute("UPDATE queen.queues SET retention_enabled = false WHERE tenant = 'default' AND name = %s", (LOG_QUEUE,))
                     _top_up(conn, backlog, f"bl{r}{mode}")
                     conn.execute("TRUNCATE queen.timers")
                     conn.execute("UPDATE queen.tenant_usage SET pending_timers = 0")
@@ -79,7 +81,7 @@ def bench_retention(url: str, perf_broker, res, n: int, backlog: int, rounds: in
                     conn.execute("VACUUM ANALYZE queen.messages")
                     before = _backlog(conn)
                     if mode == "busy":
-                        conn.execute("UPDATE queen.queues SET retention_enabled = true WHERE name = %s", (LOG_QUEUE,))
+                        conn.execute("UPDATE queen.queues SET retention_enabled = true WHERE tenant = 'default' AND name = %s", (LOG_QUEUE,))
                         if not wait_until(lambda: _backlog(conn) < before, 5, 0.01):
                             log("  retention did not start within 5 s")
                         before = _backlog(conn)
@@ -105,7 +107,7 @@ def bench_retention(url: str, perf_broker, res, n: int, backlog: int, rounds: in
                     busy_rates.append(rate["busy"])
                     ratios.append(rate["busy"] / rate["idle"])
                     log(f"  round {r + 1} ratio busy/idle: {ratios[-1]:.2f}")
-            conn.execute("UPDATE queen.queues SET retention_enabled = false WHERE name = %s", (LOG_QUEUE,))
+            conn.execute("UPDATE queen.queues SET retention_enabled = false WHERE tenant = 'default' AND name = %s", (LOG_QUEUE,))
             conn.execute("SELECT queen.resume_fire()")
     finally:
         broker.stop()

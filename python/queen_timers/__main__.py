@@ -10,6 +10,7 @@ import uvicorn
 from .app import create_app
 from .config import ConfigError, Settings
 from .migrate import migrate
+from .server import JsonErrorH11Protocol
 
 
 def main() -> int:
@@ -23,7 +24,7 @@ def main() -> int:
     if applied:
         logging.getLogger("queen_timers").info("applied migrations %s", applied)
     uvicorn.run(create_app(settings), host=settings.host, port=settings.port,
-                log_level="warning", access_log=False)
+                log_level="warning", access_log=False, http=JsonErrorH11Protocol)
     return 0
 
 

@@ -22,7 +22,7 @@
 -- =====================================================================
 
 -- Delete what retention allows, at most p_limit rows in all (frames and
--- dead letters), partition by partition in (queue, partition) order.
+-- dead letters), partition by partition in (tenant, queue, partition) order.
 -- Safe to call from any number of sessions at once: a partition with
 -- something to delete is worked on by one session at a time (a
 -- transaction-level pg_try_advisory_xact_lock(7261005, hashtext(partition
@@ -70,7 +70,7 @@ BEGIN
           JOIN queen.partitions p ON p.queue_id = q.id
          WHERE q.retention_enabled
            AND (q.retention_seconds > 0 OR q.completed_retention_seconds > 0 OR v_dlq_secs > 0)
-         ORDER BY q.name, p.name
+         ORDER BY q.tenant, q.name, p.name
     LOOP
         EXIT WHEN v_room <= 0 OR v_locked >= 1000;
         v_pend_cut := CASE WHEN c.retention_seconds > 0

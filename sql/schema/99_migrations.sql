@@ -4,4 +4,7 @@
 -- =====================================================================
 INSERT INTO queen.schema_migrations (version, name) VALUES
     (1, 'initial'),
+    (2, 'log_tenancy'),
+    (3, 'timer_stats'),
+    (4, 'input_limits'),
     (5, 'log_retention');

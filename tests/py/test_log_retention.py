@@ -49,10 +49,11 @@ def ack_all(client, msgs, status="completed", group=None):
     assert all(x["success"] for x in r.json()), r.json()
 
 
-def txns_left(db, queue) -> list[str]:
+def txns_left(db, queue, tenant="default") -> list[str]:
     return [r["transaction_id"] for r in db.execute("""
         SELECT m.transaction_id FROM queen.messages m JOIN queen.partitions p ON p.id = m.partition_id
-          JOIN queen.queues q ON q.id = p.queue_id WHERE q.name = %s ORDER BY m.seq""", (queue,)).fetchall()]
+          JOIN queen.queues q ON q.id = p.queue_id WHERE q.tenant = %s AND q.name = %s ORDER BY m.seq""",
+        (tenant, queue)).fetchall()]
 
 
 def deleted(broker, kind) -> float:
@@ -150,9 +151,9 @@ def test_dead_letters_go_after_the_cell_dlq_retention(db, spawn_broker):
 
 def test_two_brokers_delete_a_backlog_while_a_consumer_gets_every_live_frame_once(db, spawn_broker):
     # a backlog of expired frames in four partitions, written before any broker runs
-    db.execute("SELECT queen.configure_queue('ret-bulk', NULL, NULL, "
+    db.execute("SELECT queen.configure_queue('default', 'ret-bulk', NULL, NULL, "
                "'{\"retentionEnabled\": true, \"retentionSeconds\": 3600}')")
-    db.execute("""SELECT count(*) FROM queen.push_messages((SELECT array_agg(
+    db.execute("""SELECT count(*) FROM queen.push_messages('default', (SELECT array_agg(
                       ROW('ret-bulk', 'p' || (g % 4), 'bulk-' || g, NULL, '\\x00'::bytea, false)::queen.push_item)
                     FROM generate_series(1, 6000) g))""")
     db.execute("UPDATE queen.messages SET created_at = created_at - interval '2 hours'")
