@@ -24,8 +24,9 @@ from harness import OUT, Cluster, Results, connect, load_timers, log, start_brok
 import drills  # noqa: E402
 import failover  # noqa: E402
 import perf  # noqa: E402
+import retention  # noqa: E402
 
-SECTIONS = ("fire", "schedule", "lag", "growth", "profile", "kill", "pgrestart", "pool", "failover")
+SECTIONS = ("fire", "schedule", "lag", "growth", "profile", "retention", "kill", "pgrestart", "pool", "failover")
 
 
 def machine() -> dict:
@@ -185,6 +186,9 @@ def main() -> int:
     ap.add_argument("--growth-sizes", default="10000,100000,1000000")
     ap.add_argument("--growth-batch", type=int, default=20000)
     ap.add_argument("--growth-lag-seconds", type=float, default=15)
+    ap.add_argument("--retention-n", type=int, default=50000, help="timers fired per retention phase")
+    ap.add_argument("--retention-backlog", type=int, default=400000,
+                    help="expired frames retention deletes while the fire runs")
     ap.add_argument("--kills", type=int, default=100)
     ap.add_argument("--pg-restart-seconds", type=float, default=20)
     ap.add_argument("--pool-clients", type=int, default=48)
@@ -198,6 +202,7 @@ def main() -> int:
         args.lag_seconds, args.growth_sizes, args.growth_batch, args.growth_lag_seconds = 5, "10000", 2000, 3
         args.kills, args.pg_restart_seconds, args.pool_clients = 5, 9, 16
         args.failover_seconds = 10
+        args.retention_n, args.retention_backlog = 5000, 100000
     only = {s.strip() for s in args.only.split(",") if s.strip()}
     bad = only - set(SECTIONS)
     if bad:
@@ -240,6 +245,8 @@ def main() -> int:
                 args.growth_batch, args.lag_rate, args.growth_lag_seconds,
                 profile_cb=lambda conn, size: (OUT / f"explain-pending-{size}.txt").write_text(
                     explain_fire(conn, f"{size} pending")))
+        section("retention", retention.bench_retention, url, broker, res, args.retention_n, args.retention_backlog,
+                args.rounds)
         if broker:
             broker.stop()
             broker = None

@@ -19,6 +19,7 @@ from .auth import Authenticator
 from .config import Settings
 from .db import make_pool
 from .errors import ApiError, from_exception
+from .retention import Retention
 from .sweeper import Sweeper
 
 log = logging.getLogger("queen_timers")
@@ -115,6 +116,7 @@ def create_app(settings: Settings | None = None) -> Starlette:
     # QUEEN_READ_DATABASE_URL: peek and list read a hot standby; nothing else does
     read_pool = make_pool(settings, read=True) if settings.read_database_url else None
     sweeper = Sweeper(settings)
+    retention = Retention(settings, sweeper.metrics)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):
@@ -122,9 +124,11 @@ def create_app(settings: Settings | None = None) -> Starlette:
         if read_pool is not None:
             await read_pool.open(wait=False)
         await sweeper.start()
+        await retention.start()
         try:
             yield
         finally:
+            await retention.stop()
             await sweeper.stop()
             if read_pool is not None:
                 await read_pool.close()
@@ -148,4 +152,5 @@ def create_app(settings: Settings | None = None) -> Starlette:
     app.state.read_pool = read_pool
     app.state.auth = Authenticator(settings)
     app.state.sweeper = sweeper
+    app.state.retention = retention
     return app

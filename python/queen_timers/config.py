@@ -80,6 +80,9 @@ class Settings:
     sweeper_batch: int = 256
     sweeper_backoff_ms: int = 1000
     sweeper_backoff_max_ms: int = 300000
+    # log retention (queen.apply_retention): 0 = this broker runs none
+    retention_interval_ms: int = 60000
+    retention_batch: int = 1000
     # timers
     timers_horizon_ms: int = 90 * 24 * 3600 * 1000
     timers_max_ops: int = 256
@@ -118,6 +121,8 @@ class Settings:
             sweeper_batch=_int(env, "QUEEN_SWEEPER_BATCH", 256, 1),
             sweeper_backoff_ms=_int(env, "QUEEN_SWEEPER_BACKOFF_MS", 1000, 1),
             sweeper_backoff_max_ms=_int(env, "QUEEN_SWEEPER_BACKOFF_MAX_MS", 300000, 1),
+            retention_interval_ms=_int(env, "QUEEN_RETENTION_INTERVAL_MS", 60000, 0),
+            retention_batch=_int(env, "QUEEN_RETENTION_BATCH", 1000, 1),
             timers_horizon_ms=_int(env, "QUEEN_TIMERS_HORIZON_MS", 90 * 24 * 3600 * 1000, 1),
             timers_max_ops=(max_ops := _int(env, "QUEEN_TIMERS_MAX_OPS", 256, 1)),
             max_body_bytes=_int(env, "QUEEN_MAX_BODY_BYTES", default_max_body_bytes(max_ops), 1),
@@ -134,6 +139,8 @@ class Settings:
             # libpq's floor is 2 s; 0 would mean "wait forever" there, which the broker never does
             connect_timeout_s=_int(env, "QUEEN_CONNECT_TIMEOUT_S", 5, 2),
         )
+        if settings.retention_batch > 100000:
+            raise ConfigError(f"QUEEN_RETENTION_BATCH must be <= 100000, got {settings.retention_batch}")
         if settings.sweeper_min_sleep_ms > settings.sweeper_max_sleep_ms:
             raise ConfigError("QUEEN_SWEEPER_MIN_SLEEP_MS must not exceed QUEEN_SWEEPER_MAX_SLEEP_MS")
         if auth == "jwt" and not (settings.jwt_secret or settings.jwt_public_key):

@@ -17,6 +17,7 @@ from prometheus_client.exposition import generate_latest
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 FAILURE_CLASSES = ("transient", "permanent", "config")
+RETENTION_KINDS = ("pending", "completed", "dlq")
 
 # deliverAt is a floor; a healthy timer lands within ~10 ms of the minimum sleep,
 # a wake-up problem shows up around QUEEN_SWEEPER_MAX_SLEEP_MS (1 s by default).
@@ -47,6 +48,11 @@ class Metrics:
             "queen_timers_claims_lost",
             "Claims this broker no longer held when it fired or failed (lease expired and taken over)",
             registry=r)
+        self.retention_deleted = Counter(
+            "queen_timers_retention_deleted",
+            "Rows deleted by this broker's log retention (queen.apply_retention): 'pending' frames some group had "
+            "not consumed, 'completed' frames every group had consumed, 'dlq' dead letters",
+            ["kind"], registry=r)
         self.pending = Gauge(
             "queen_timers_pending", "Pending timers in the cell (read from PostgreSQL at scrape)", registry=r)
         self.fire_paused = Gauge(
@@ -59,6 +65,8 @@ class Metrics:
             self.fired.labels(outcome=outcome)
         for cls in FAILURE_CLASSES:
             self.fire_failures.labels(**{"class": cls})
+        for kind in RETENTION_KINDS:
+            self.retention_deleted.labels(kind=kind)
 
     def observe_fires(self, summary: dict) -> int:
         """Count one fire call's results, folded by PostgreSQL into
@@ -87,6 +95,16 @@ class Metrics:
             self.dlq_moves.inc()
         elif verdict == "lost":
             self.claims_lost.inc()
+
+    def observe_retention(self, row: dict) -> int:
+        """Count one queen.apply_retention call's deletes; returns the rows deleted."""
+        total = 0
+        for kind in RETENTION_KINDS:
+            n = row[f"{kind}_deleted"]
+            if n:
+                self.retention_deleted.labels(kind=kind).inc(n)
+                total += n
+        return total
 
     def set_status(self, status: dict) -> None:
         self.pending.set(status["pending"])

@@ -51,7 +51,10 @@ CREATE TABLE queen.cell_settings (
     max_pending_timers  bigint,            -- NULL: no pending-timer quota when tenancy is off
     rate_ops_per_second numeric,           -- NULL: no rate limit when tenancy is off
     rate_burst          numeric,
-    updated_at          timestamptz NOT NULL DEFAULT now()
+    updated_at          timestamptz NOT NULL DEFAULT now(),
+    -- log retention (sql/schema/70_retention.sql): dead letters of a queue with
+    -- retentionEnabled are deleted once failed_at is older than this; 0 keeps them
+    dlq_retention_seconds integer NOT NULL DEFAULT 0 CONSTRAINT dlq_retention_non_negative CHECK (dlq_retention_seconds >= 0)
 );
 INSERT INTO queen.cell_settings DEFAULT VALUES;
 

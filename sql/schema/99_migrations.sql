@@ -6,4 +6,5 @@ INSERT INTO queen.schema_migrations (version, name) VALUES
     (1, 'initial'),
     (2, 'log_tenancy'),
     (3, 'timer_stats'),
-    (4, 'input_limits');
+    (4, 'input_limits'),
+    (5, 'log_retention');
