@@ -8,6 +8,7 @@ starved request pool never stops the fire.
 from __future__ import annotations
 
 import os
+from importlib import resources
 from pathlib import Path
 
 from psycopg import AsyncConnection
@@ -16,7 +17,22 @@ from psycopg_pool import AsyncConnectionPool
 
 from .config import Settings
 
-SQL_DIR = Path(os.environ.get("QUEEN_SQL_DIR") or Path(__file__).resolve().parents[2] / "sql")
+
+
+def find_sql_dir() -> Path:
+    """Where sql/ (schema/ and migrations/) is: QUEEN_SQL_DIR when set; else the copy a
+    wheel carries inside the package (queen_timers/sql, see setup.py); else the
+    checkout's sql/ at the repository root (an editable install, tests)."""
+    override = os.environ.get("QUEEN_SQL_DIR")
+    if override:
+        return Path(override)
+    packaged = resources.files("queen_timers") / "sql"
+    if packaged.is_dir() and isinstance(packaged, Path):
+        return packaged
+    return Path(__file__).resolve().parents[2] / "sql"
+
+
+SQL_DIR = find_sql_dir()
 
 
 def connect_kwargs(settings: Settings, application_name: str) -> dict:
