@@ -224,7 +224,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
         settings = Settings.from_env(env)
     except ConfigError as exc:
         raise CliError("bad_configuration", str(exc), EXIT_USAGE) from None
-    applied = migrate(settings.database_url)
+    from .migrate import MigrationError
+    try:
+        applied = migrate(settings.database_url)
+    except MigrationError as exc:
+        raise CliError("migration_refused", str(exc)) from None
+    except Exception as exc:
+        mapped = _from_database_error(exc)
+        if mapped is None:
+            raise
+        mapped.detail = f"{_redact(settings.database_url)}: {mapped.detail}"
+        raise mapped from None
     if applied:
         logging.getLogger("queen_timers").info("applied migrations %s", applied)
     uvicorn.run(create_app(settings), host=settings.host, port=settings.port,
