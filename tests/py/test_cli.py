@@ -11,6 +11,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -384,3 +385,46 @@ def test_migrate_apply_status_check(admin_dsn):
     assert states[1] == "changed" and states[999] == "unknown"
     refused = run("migrate", url=url)
     assert refused.returncode == 1 and "migration_refused" in refused.stderr
+
+
+def test_a_refused_later_batch_says_what_was_written(db, database_url, tmp_path):
+    db.execute("UPDATE queen.cell_settings SET max_pending_timers = 5")
+    rows = _rows_file(tmp_path / "rows.jsonl", 8, queue="quota")
+    proc = run("schedule", "--file", str(rows), url=database_url, env={"QUEEN_TIMERS_MAX_OPS": "4"})
+    assert proc.returncode == 1
+    assert "timers_quota_exceeded" in proc.stderr
+    assert "batch of operations 5-8 refused; the 4 operations before it were written" in proc.stderr
+    assert timer_count(db, "quota") == 4
+
+
+def test_partition_option(db, database_url):
+    ok_json(run("schedule", "q", "k", "--delay-ms", "60000", "--txn", "t", "--payload", "x",
+                "--partition", "eu", "--json", url=database_url))
+    assert ok_json(run("peek", "q", "k", "--json", url=database_url))["partition"] == "eu"
+
+
+def test_serve_options_override_the_environment(db, database_url, tmp_path):
+    import httpx
+
+    port = free_port()
+    log = open(tmp_path / "serve.log", "wb")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("QUEEN_")}
+    env["QUEEN_DATABASE_URL"] = "postgresql://postgres@127.0.0.1:1/unreachable"
+    proc = subprocess.Popen([sys.executable, "-m", "queen_timers", "serve", "--database-url", database_url,
+                             "--host", "127.0.0.1", "--port", str(port)],
+                            env=env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            assert proc.poll() is None, (tmp_path / "serve.log").read_text()
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, (tmp_path / "serve.log").read_text()
+            time.sleep(0.1)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+        log.close()
