@@ -135,6 +135,7 @@ def test_schedule_peek_cancel_round_trip(db, database_url):
     assert peek["found"] is True and peek["messageId"] == verdict["messageId"]
     assert base64.b64decode(peek["payload"]) == b'{"kind":"day7"}'
     assert peek["deliverAt"] == verdict["deliverAt"] and peek["claimed"] is False
+    assert peek["producerSub"] is None
 
     human = run("peek", "reminders", "trial:acme:day7", url=database_url)
     assert human.returncode == 0
@@ -428,3 +429,41 @@ def test_serve_options_override_the_environment(db, database_url, tmp_path):
         proc.terminate()
         proc.wait(timeout=30)
         log.close()
+
+
+def test_progress_on_a_terminal_is_one_updating_line(db, database_url, tmp_path):
+    import pty
+
+    rows = _rows_file(tmp_path / "rows.jsonl", 20)
+    master, slave = pty.openpty()
+    try:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("QUEEN_")}
+        env.update(QUEEN_DATABASE_URL=database_url, QUEEN_TIMERS_MAX_OPS="10")
+        proc = subprocess.run([sys.executable, "-m", "queen_timers", "schedule", "--file", str(rows)],
+                              env=env, stdout=subprocess.PIPE, stderr=slave, text=True, timeout=60, cwd=ROOT)
+        os.close(slave)
+        slave = None
+        shown = b""
+        while True:
+            try:
+                chunk = os.read(master, 4096)
+            except OSError:  # EIO: the terminal's other side is closed and drained
+                break
+            if not chunk:
+                break
+            shown += chunk
+    finally:
+        if slave is not None:
+            os.close(slave)
+        os.close(master)
+    assert proc.returncode == 0
+    assert shown.decode() == "\roperations sent 10/20 (50%)\roperations sent 20/20 (100%)\r\n"
+
+
+def test_a_key_repeated_anywhere_in_a_file_writes_nothing(db, database_url, tmp_path):
+    rows = _rows_file(tmp_path / "rows.jsonl", 6)
+    with open(rows, "a") as f:
+        f.write(json.dumps({"op": "cancel", "queue": "bulk", "timerKey": "k00001"}) + "\n")
+    proc = run("schedule", "--file", str(rows), url=database_url, env={"QUEEN_TIMERS_MAX_OPS": "2"})
+    assert proc.returncode == 2 and "line 7: (bulk, k00001) appears more than once" in proc.stderr
+    assert timer_count(db) == 0
