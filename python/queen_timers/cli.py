@@ -195,7 +195,7 @@ def _from_database_error(exc: Exception) -> CliError | None:
         if exc.sqlstate in SQLSTATE_HTTP:
             return CliError(SQLSTATE_HTTP[exc.sqlstate][1],
                             exc.diag.message_detail or exc.diag.message_primary or "")
-        if exc.sqlstate == "3F000" or exc.sqlstate == "42883":
+        if exc.sqlstate in ("3F000", "42883", "42P01"):  # no schema, function or table
             return CliError("not_migrated", "the queen schema is missing or older than this code: "
                             f"run `queen-timers migrate` ({str(exc).strip()})")
         return CliError("timers_unavailable", f"database error: {str(exc).strip()}")

@@ -110,6 +110,15 @@ def test_missing_database_url_exits_2(args):
     assert "no database URL: pass --database-url or set QUEEN_DATABASE_URL" in proc.stderr
 
 
+def test_a_database_without_the_schema_says_to_migrate(admin_dsn):
+    url = create_database(admin_dsn, "queen_cli_empty", schema=False)
+    for args in (["status"], ["peek", "q", "k"], ["list", "q"], ["dlq"]):
+        proc = run(*args, url=url)
+        assert proc.returncode == 1, proc
+        assert "not_migrated: the queen schema is missing or older than this code: run `queen-timers migrate`" \
+            in proc.stderr
+
+
 def test_unreachable_database_is_one_clear_line():
     proc = run("status", "--database-url", f"postgresql://postgres:secret@127.0.0.1:{free_port()}/nope")
     assert proc.returncode == 1
