@@ -561,15 +561,10 @@ def cmd_peek(args: argparse.Namespace) -> int:
         else:
             print(f"not pending: {args.queue} {args.key}", file=sys.stderr)
         return EXIT_FAIL
+    from .routes_timers import peek_json
+
     data = bytes(r["payload"])
-    view = {
-        "found": True, "queue": r["queue"], "timerKey": r["timer_key"], "partition": r["partition"],
-        "deliverAt": _iso(r["deliver_at"]), "txn": r["txn"], "messageId": str(r["message_id"]),
-        "payload": payloads.encode_base64(data), "payloadZstd": r["payload_zstd"],
-        "encrypted": r["encrypted"], "producerSub": r["producer_sub"], "attempts": r["attempts"],
-        "lastError": r["last_error"], "claimed": r["claimed"],
-        "createdAt": _iso(r["created_at"]), "updatedAt": _iso(r["updated_at"]),
-    }
+    view = peek_json(r)
     if args.json:
         emit_json(view)
         return EXIT_OK
@@ -580,22 +575,16 @@ def cmd_peek(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _list_row(r: dict) -> dict:
-    return {"timerKey": r["timer_key"], "partition": r["partition"], "deliverAt": _iso(r["deliver_at"]),
-            "txn": r["txn"], "messageId": str(r["message_id"]), "payloadZstd": r["payload_zstd"],
-            "encrypted": r["encrypted"], "producerSub": r["producer_sub"], "attempts": r["attempts"],
-            "lastError": r["last_error"], "claimed": r["claimed"],
-            "createdAt": _iso(r["created_at"]), "updatedAt": _iso(r["updated_at"])}
-
-
 def cmd_list(args: argparse.Namespace) -> int:
+    from .routes_timers import list_row_json
+
     rows: list[dict] = []
     after, truncated = args.after, False
     with _db(args) as conn:
         while True:
             page = _guard(lambda: conn.execute("SELECT * FROM queen.list_timers(%s, %s, %s, %s::integer)",
                                                (args.tenant, args.queue, after, args.limit)).fetchall())
-            rows.extend(_list_row(r) for r in page)
+            rows.extend(list_row_json(r) for r in page)
             truncated = bool(page and page[0]["truncated"])
             after = page[0]["next_after"] if page else None
             if not (args.all and truncated):
@@ -643,31 +632,20 @@ def cmd_dlq(args: argparse.Namespace) -> int:
 # the parser
 # ---------------------------------------------------------------------------
 
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
+def _int_at_least(minimum: int | None) -> Callable[[str], int]:
+    """An argparse type: an integer, at least minimum (None: any)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+        if minimum is not None and value < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
+        return value
+    return parse
 
 
-def _nonnegative(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
-
-
-def _integer(text: str) -> int:
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+_integer, _nonnegative, _positive = _int_at_least(None), _int_at_least(0), _int_at_least(1)
 
 
 def build_parser() -> argparse.ArgumentParser:

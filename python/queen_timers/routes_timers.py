@@ -90,6 +90,29 @@ def _str(value: object) -> str | None:
     return None if value is None else str(value)
 
 
+def peek_json(r: dict) -> dict:
+    """A queen.peek_timer row as GET /api/v1/timers/:queue/*timerKey answers it (also the CLI's peek)."""
+    return {
+        "found": True, "queue": r["queue"], "timerKey": r["timer_key"], "partition": r["partition"],
+        "deliverAt": iso(r["deliver_at"]), "txn": r["txn"], "messageId": _str(r["message_id"]),
+        "payload": payloads.encode_base64(bytes(r["payload"])), "payloadZstd": r["payload_zstd"],
+        "encrypted": r["encrypted"], "producerSub": r["producer_sub"], "attempts": r["attempts"],
+        "lastError": r["last_error"], "claimed": r["claimed"],
+        "createdAt": iso(r["created_at"]), "updatedAt": iso(r["updated_at"]),
+    }
+
+
+def list_row_json(r: dict) -> dict:
+    """A queen.list_timers row as GET /api/v1/timers/:queue lists it (also the CLI's list)."""
+    return {
+        "timerKey": r["timer_key"], "partition": r["partition"], "deliverAt": iso(r["deliver_at"]),
+        "txn": r["txn"], "messageId": _str(r["message_id"]), "payloadZstd": r["payload_zstd"],
+        "encrypted": r["encrypted"], "producerSub": r["producer_sub"], "attempts": r["attempts"],
+        "lastError": r["last_error"], "claimed": r["claimed"],
+        "createdAt": iso(r["created_at"]), "updatedAt": iso(r["updated_at"]),
+    }
+
+
 def _check_text(name: str, value: str, where: str) -> None:
     if "\x00" in value:
         raise bad_request(f"{where}{name} may not contain a NUL character")
@@ -364,14 +387,7 @@ async def peek(request: Request) -> JSONResponse:
     r = await _run(request, work)
     if r is None:
         return JSONResponse({"found": False})
-    return JSONResponse({
-        "found": True, "queue": r["queue"], "timerKey": r["timer_key"], "partition": r["partition"],
-        "deliverAt": iso(r["deliver_at"]), "txn": r["txn"], "messageId": _str(r["message_id"]),
-        "payload": payloads.encode_base64(bytes(r["payload"])), "payloadZstd": r["payload_zstd"],
-        "encrypted": r["encrypted"], "producerSub": r["producer_sub"], "attempts": r["attempts"],
-        "lastError": r["last_error"], "claimed": r["claimed"],
-        "createdAt": iso(r["created_at"]), "updatedAt": iso(r["updated_at"]),
-    })
+    return JSONResponse(peek_json(r))
 
 
 async def list_timers(request: Request) -> JSONResponse:
@@ -403,13 +419,7 @@ async def _list(request: Request, principal, queue: str) -> JSONResponse:
 
     rows = await _run(request, work)
     return JSONResponse({
-        "rows": [{
-            "timerKey": r["timer_key"], "partition": r["partition"], "deliverAt": iso(r["deliver_at"]),
-            "txn": r["txn"], "messageId": _str(r["message_id"]), "payloadZstd": r["payload_zstd"],
-            "encrypted": r["encrypted"], "producerSub": r["producer_sub"], "attempts": r["attempts"],
-            "lastError": r["last_error"], "claimed": r["claimed"],
-            "createdAt": iso(r["created_at"]), "updatedAt": iso(r["updated_at"]),
-        } for r in rows],
+        "rows": [list_row_json(r) for r in rows],
         "truncated": bool(rows and rows[0]["truncated"]),
         "nextAfter": rows[0]["next_after"] if rows else None,
     })
