@@ -8,12 +8,13 @@ status() reads what is applied without changing anything; check() says
 whether the database is exactly at this code's latest migration.
 
     queen-timers migrate [apply|status|check]    # see cli.py
-    python -m queen_timers.migrate               # apply, uses QUEEN_DATABASE_URL
+    python -m queen_timers.migrate               # apply only, uses QUEEN_DATABASE_URL
 """
 
 from __future__ import annotations
 
 import hashlib
+import os
 import re
 import sys
 from pathlib import Path
@@ -131,8 +132,13 @@ def migrate(conninfo: str, directory: Path | None = None, progress=None) -> list
 
 
 def main() -> int:
-    from .cli import main as cli_main
-    return cli_main(["migrate", "apply"])
+    url = os.environ.get("QUEEN_DATABASE_URL")
+    if not url:
+        print("QUEEN_DATABASE_URL is required", file=sys.stderr)
+        return 2
+    applied = migrate(url)
+    print(f"migrations applied: {applied or 'none (up to date)'}")
+    return 0
 
 
 if __name__ == "__main__":
