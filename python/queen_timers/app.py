@@ -8,11 +8,13 @@ import logging
 import psycopg
 from psycopg_pool import PoolTimeout
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from . import __version__, routes_log, routes_ops, routes_timers
+from . import __version__, routes_dashboard, routes_log, routes_ops, routes_timers
 from .auth import Authenticator
 from .config import Settings
 from .db import make_pool
@@ -32,7 +34,65 @@ async def database_error(request: Request, exc: Exception) -> JSONResponse:
     if mapped is not None:
         return await api_error(request, mapped)
     log.exception("unexpected database error on %s %s", request.method, request.url.path)
-    return JSONResponse({"error": "internal_error"}, status_code=500)
+    return internal_error_response()
+
+
+def internal_error_response() -> JSONResponse:
+    return JSONResponse({"error": "internal_error",
+                         "detail": "the broker met an unexpected error; its log has the details"},
+                        status_code=500)
+
+
+HTTP_SLUGS = {404: "not_found", 405: "method_not_allowed"}
+
+
+async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
+    """Starlette's own refusals (no such route, wrong method) in the documented shape."""
+    slug = HTTP_SLUGS.get(exc.status_code, "http_error")
+    if exc.status_code == 404:
+        detail = f"no route {request.method} {request.url.path}"
+    elif exc.status_code == 405:
+        allowed = (exc.headers or {}).get("Allow", "")
+        detail = f"{request.method} is not allowed on {request.url.path}; allowed: {allowed}"
+    else:
+        detail = str(exc.detail)
+    return JSONResponse({"error": slug, "detail": detail}, status_code=exc.status_code,
+                        headers=exc.headers)
+
+
+async def unexpected_error(request: Request, exc: Exception) -> JSONResponse:
+    """Last resort (ServerErrorMiddleware): an error in a middleware itself."""
+    return internal_error_response()
+
+
+class UnexpectedErrors:
+    """Any exception no handler knows is a bug: log its traceback and answer
+    a JSON 500 internal_error. Caught here, inside ServerErrorMiddleware,
+    so that the error is not re-raised into uvicorn, which would drop the
+    client's keep-alive connection."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def tracking_send(message):
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracking_send)
+        except Exception:
+            if started:  # too late for a response of our own
+                raise
+            log.exception("unexpected error on %s %s", scope.get("method"), scope.get("path"))
+            await internal_error_response()(scope, receive, send)
 
 
 async def health(request: Request) -> JSONResponse:
@@ -66,11 +126,15 @@ def create_app(settings: Settings | None = None) -> Starlette:
 
     app = Starlette(
         routes=[Route("/health", health, methods=["GET"]),
-                *routes_timers.routes, *routes_log.routes, *routes_ops.routes],
+                *routes_timers.routes, *routes_log.routes, *routes_ops.routes,
+                *routes_dashboard.routes],
         # Handlers keyed by class run in ExceptionMiddleware and keep the connection
-        # alive; anything else is a bug and reaches ServerErrorMiddleware as a 500.
+        # alive; anything else is a bug and reaches ServerErrorMiddleware, whose
+        # handler (Exception) answers a JSON 500 internal_error.
         exception_handlers={ApiError: api_error, psycopg.Error: database_error,
-                            PoolTimeout: database_error},
+                            PoolTimeout: database_error, HTTPException: http_error,
+                            Exception: unexpected_error},
+        middleware=[Middleware(UnexpectedErrors)],
         lifespan=lifespan,
     )
     app.state.settings = settings

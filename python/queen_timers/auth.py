@@ -2,6 +2,12 @@
 
 Checks of who you are answer 401 {"error":"unauthorized"} and
 403 {"error":"forbidden"}; they are not rungs of the gate ladder.
+
+A JWT is accepted only as `Authorization: Bearer <token>`, signed, with
+`exp` (checked with QUEEN_JWT_LEEWAY_SECONDS of leeway) and with `sub`,
+`tenant` and `role` all non-empty strings, `role` one of the four levels.
+Anything else is a 401: a token that names no tenant never falls back to
+tenant `default`, the namespace of QUEEN_AUTH=off.
 """
 
 from __future__ import annotations
@@ -50,24 +56,36 @@ class Authenticator:
         else:
             self.key = settings.jwt_secret
             self.algorithms = ["HS256"]
+        self.leeway = settings.jwt_leeway_seconds
 
     def principal(self, request: Request) -> Principal:
         if not self.enabled:
             return ANONYMOUS
         header = request.headers.get("authorization", "")
-        token = header[7:].strip() if header[:7].lower() == "bearer " else header.strip()
-        if not token:
+        if not header.strip():
             raise ApiError(401, "unauthorized", "a Bearer token is required")
+        scheme, _, token = header.strip().partition(" ")
+        token = token.strip()
+        if scheme.lower() != "bearer" or not token:
+            raise ApiError(401, "unauthorized",
+                           "the Authorization header must be 'Bearer <token>'")
         try:
             claims = jwt.decode(token, self.key, algorithms=self.algorithms,
-                                options={"require": ["sub"]}, leeway=5)
+                                options={"require": ["exp", "sub"]}, leeway=self.leeway)
         except jwt.PyJWTError as exc:
             raise ApiError(401, "unauthorized", f"invalid token: {exc}") from None
-        role = claims.get("role")
-        tenant = claims.get("tenant") or "default"
-        if role not in GRANTS or not isinstance(tenant, str) or not isinstance(claims["sub"], str):
-            raise ApiError(401, "unauthorized", "token claims need sub, tenant and a known role")
-        return Principal(tenant=tenant, sub=claims["sub"], role=role)
+        if not isinstance(claims, dict):
+            raise ApiError(401, "unauthorized", "invalid token: the claims are not an object")
+        for name in ("sub", "tenant", "role"):
+            value = claims.get(name)
+            if not isinstance(value, str) or value == "":
+                raise ApiError(401, "unauthorized",
+                               f"the token's {name} claim is required and must be a non-empty string")
+        role = claims["role"]
+        if role not in GRANTS:
+            raise ApiError(401, "unauthorized",
+                           f"the token's role claim must be one of {', '.join(GRANTS)}")
+        return Principal(tenant=claims["tenant"], sub=claims["sub"], role=role)
 
     def require(self, request: Request, level: str) -> Principal:
         principal = self.principal(request)

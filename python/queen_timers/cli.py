@@ -33,22 +33,18 @@ from .errors import SQLSTATE_HTTP, ApiError
 EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
 TIMER_DLQ_GROUP = "__QUEEN_TIMERS__"
 
-# Reads only (counts for `status`); every write is a queen.* function call.
-QUEUE_TIMERS_SQL = """
-SELECT t.queue,
-       count(*) AS pending,
-       count(*) FILTER (WHERE t.deliver_at <= now() AND NOT queen.timer_is_claimed(t.lease_until)) AS due,
-       count(*) FILTER (WHERE queen.timer_is_claimed(t.lease_until)) AS claimed,
-       min(t.deliver_at) AS next_deliver_at
-  FROM queen.timers t
- GROUP BY t.queue
-"""
+# `status` reads: per-queue timer counts from queen.get_timer_stats (the
+# numbers the dashboard shows; one bucket, the histogram is not printed) and
+# dead letters per queue of the same tenant (a plain read; every write is a
+# queen.* function call).
+QUEUE_TIMERS_SQL = "SELECT * FROM queen.get_timer_stats(%s, 1, 1)"
 QUEUE_DLQ_SQL = """
 SELECT q.name AS queue, count(*) AS dlq,
        count(*) FILTER (WHERE d.consumer_group = %s) AS timer_dlq
   FROM queen.dead_letter_queue d
   JOIN queen.partitions p ON p.id = d.partition_id
   JOIN queen.queues q ON q.id = p.queue_id
+ WHERE q.tenant = %s
  GROUP BY q.name
 """
 
@@ -211,6 +207,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from .app import create_app
     from .migrate import migrate
+    from .server import JsonErrorH11Protocol
 
     env = dict(os.environ)
     if args.database_url:
@@ -238,7 +235,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if applied:
         logging.getLogger("queen_timers").info("applied migrations %s", applied)
     uvicorn.run(create_app(settings), host=settings.host, port=settings.port,
-                log_level="warning", access_log=False)
+                log_level="warning", access_log=False, http=JsonErrorH11Protocol)
     return EXIT_OK
 
 
@@ -300,27 +297,31 @@ def cmd_migrate(args: argparse.Namespace) -> int:
 # status
 # ---------------------------------------------------------------------------
 
-def read_status(conn) -> dict:
+def read_status(conn, tenant: str) -> dict:
+    """The cell's switches, pending count and next due time, and the tenant's
+    timers and dead letters per queue."""
     switches = conn.execute("SELECT * FROM queen.get_timer_status()").fetchone()
     next_due = conn.execute("SELECT queen.next_timer_due_ms() AS ms").fetchone()["ms"]
     queues: dict[str, dict] = {}
 
     def row(name: str) -> dict:
-        return queues.setdefault(name, {"queue": name, "pending": 0, "due": 0, "claimed": 0,
+        return queues.setdefault(name, {"queue": name, "pending": 0, "due": 0, "claimed": 0, "retrying": 0,
                                         "nextDeliverAt": None, "dlq": 0, "timerDlq": 0})
 
-    for r in conn.execute(QUEUE_TIMERS_SQL).fetchall():
+    for r in conn.execute(QUEUE_TIMERS_SQL, (tenant,)).fetchall():
         q = row(r["queue"])
-        q.update(pending=r["pending"], due=r["due"], claimed=r["claimed"],
+        q.update(pending=r["pending"], due=r["due"], claimed=r["claimed"], retrying=r["retrying"],
                  nextDeliverAt=_iso(r["next_deliver_at"]))
-    for r in conn.execute(QUEUE_DLQ_SQL, (TIMER_DLQ_GROUP,)).fetchall():
+    for r in conn.execute(QUEUE_DLQ_SQL, (TIMER_DLQ_GROUP, tenant)).fetchall():
         row(r["queue"]).update(dlq=r["dlq"], timerDlq=r["timer_dlq"])
-    dlq_total = conn.execute("SELECT queen.count_dlq() AS n").fetchone()["n"]
+    dlq_total = conn.execute("SELECT queen.count_dlq(%s) AS n", (tenant,)).fetchone()["n"]
     return {
         "schedulingPaused": switches["scheduling_paused"],
         "firePaused": switches["fire_paused"],
         "pending": switches["pending"],
         "nextDueMs": next_due,
+        "tenant": tenant,
+        "tenantPending": sum(q["pending"] for q in queues.values()),
         "dlq": dlq_total,
         "queues": [queues[k] for k in sorted(queues)],
     }
@@ -328,7 +329,7 @@ def read_status(conn) -> dict:
 
 def cmd_status(args: argparse.Namespace) -> int:
     with _db(args) as conn:
-        status = _guard(lambda: read_status(conn))
+        status = _guard(lambda: read_status(conn, args.tenant))
     if args.json:
         emit_json(status)
         return EXIT_OK
@@ -345,13 +346,15 @@ def cmd_status(args: argparse.Namespace) -> int:
         ("fire", "paused" if status["firePaused"] else "running"),
         ("pending", status["pending"]),
         ("next due", next_due),
-        ("dead letters", status["dlq"]),
+        ("tenant", status["tenant"]),
+        ("its pending", status["tenantPending"]),
+        ("its dead letters", status["dlq"]),
     ])
     if status["queues"]:
         print()
-        emit_table(["queue", "pending", "due", "claimed", "next_deliver_at", "dlq", "timer_dlq"],
-                   [(q["queue"], q["pending"], q["due"], q["claimed"], q["nextDeliverAt"], q["dlq"],
-                     q["timerDlq"]) for q in status["queues"]])
+        emit_table(["queue", "pending", "due", "claimed", "retrying", "next_deliver_at", "dlq", "timer_dlq"],
+                   [(q["queue"], q["pending"], q["due"], q["claimed"], q["retrying"], q["nextDeliverAt"],
+                     q["dlq"], q["timerDlq"]) for q in status["queues"]])
     return EXIT_OK
 
 
@@ -479,7 +482,8 @@ def cmd_schedule(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
         def encrypt() -> None:
             upserts = sorted({o["queue"] for o in ops if o["op"] != "cancel"})
             if upserts:
-                encrypting = {r["name"] for r in conn.execute(ENCRYPTING_QUEUES_SQL, (upserts,)).fetchall()}
+                encrypting = {r["name"] for r in conn.execute(ENCRYPTING_QUEUES_SQL,
+                                                              (args.tenant, upserts)).fetchall()}
                 _encrypt_ops(ops, encrypting, settings.encryption_key)
 
         try:
@@ -604,9 +608,10 @@ def cmd_list(args: argparse.Namespace) -> int:
 def cmd_dlq(args: argparse.Namespace) -> int:
     with _db(args) as conn:
         def read():
-            rows = conn.execute("SELECT * FROM queen.list_dlq(%s, %s, %s, %s)",
-                                (args.queue, args.group, args.limit, args.offset)).fetchall()
-            total = conn.execute("SELECT queen.count_dlq(%s, %s) AS n", (args.queue, args.group)).fetchone()["n"]
+            rows = conn.execute("SELECT * FROM queen.list_dlq(%s, %s, %s, %s, %s)",
+                                (args.tenant, args.queue, args.group, args.limit, args.offset)).fetchall()
+            total = conn.execute("SELECT queen.count_dlq(%s, %s, %s) AS n",
+                                 (args.tenant, args.queue, args.group)).fetchone()["n"]
             return rows, total
         rows, total = _guard(read)
     entries = [{
@@ -656,7 +661,8 @@ def build_parser() -> argparse.ArgumentParser:
     out.add_argument("--json", action="store_true", help="print JSON (for scripts) instead of a table")
     tenant = argparse.ArgumentParser(add_help=False)
     tenant.add_argument("--tenant", default="default",
-                        help="the tenant whose timers to touch (default: %(default)s, as with QUEEN_AUTH=off)")
+                        help="the tenant to act for: its timers, queues and dead letters "
+                             "(default: %(default)s, as with QUEEN_AUTH=off)")
     progress = argparse.ArgumentParser(add_help=False)
     progress.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                           help="a progress counter on stderr (default: only when stderr is a terminal)")
@@ -686,10 +692,13 @@ def build_parser() -> argparse.ArgumentParser:
                                     "is exactly at this code's latest migration.")
     p.add_argument("action", nargs="?", choices=("apply", "status", "check"), default="apply")
 
-    subs.add_parser("status", parents=[db, out], help="switches, pending timers per queue, next due, dead letters",
-                    description="The fire and scheduling switches, pending timers (cell-wide and per queue: "
-                                "due now, claimed, next deliver_at), ms until the next due timer, dead letters "
-                                "per queue (timer_dlq: those the fire dead-lettered).")
+    subs.add_parser("status", parents=[db, out, tenant],
+                    help="switches, pending timers per queue, next due, dead letters",
+                    description="The cell's fire and scheduling switches, pending timers and ms until the next "
+                                "due timer; then the tenant's (--tenant) timers per queue as the dashboard "
+                                "counts them (queen.get_timer_stats: pending, due now, claimed, retrying, next "
+                                "deliver_at) and its dead letters per queue (timer_dlq: those the fire "
+                                "dead-lettered).")
 
     p = subs.add_parser("schedule", parents=[db, out, tenant, progress],
                         help="schedule or reschedule a timer, or a JSON Lines file of operations",
@@ -731,8 +740,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--limit", type=_positive, default=100, help="page size, 1..1000 (default: %(default)s)")
     p.add_argument("--all", action="store_true", help="follow the cursor to the end")
 
-    p = subs.add_parser("dlq", parents=[db, out], help="dead letters (queen.list_dlq)",
-                        description="Dead letters, newest first. Timers the fire gave up on are in "
+    p = subs.add_parser("dlq", parents=[db, out, tenant], help="dead letters (queen.list_dlq)",
+                        description="The tenant's dead letters, newest first. Timers the fire gave up on are in "
                                     f"consumer group {TIMER_DLQ_GROUP}.")
     p.add_argument("--queue", help="only this queue")
     p.add_argument("--group", help="only this consumer group")

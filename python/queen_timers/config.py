@@ -9,6 +9,8 @@ import os
 import socket
 from dataclasses import dataclass, field
 
+from .bodies import default_max_body_bytes
+
 
 class ConfigError(ValueError):
     """A QUEEN_* variable has a value the broker cannot use."""
@@ -64,11 +66,13 @@ class Settings:
     # timers
     timers_horizon_ms: int = 90 * 24 * 3600 * 1000
     timers_max_ops: int = 256
+    max_body_bytes: int = 0  # from_env derives it from timers_max_ops when unset
     # security and tenancy
     encryption_key: bytes | None = None
     auth: str = "off"
     jwt_secret: str | None = None
     jwt_public_key: str | None = None
+    jwt_leeway_seconds: int = 5
     tenancy: bool = False
     # database capacity
     pool_min: int = 1
@@ -96,11 +100,13 @@ class Settings:
             sweeper_backoff_ms=_int(env, "QUEEN_SWEEPER_BACKOFF_MS", 1000, 1),
             sweeper_backoff_max_ms=_int(env, "QUEEN_SWEEPER_BACKOFF_MAX_MS", 300000, 1),
             timers_horizon_ms=_int(env, "QUEEN_TIMERS_HORIZON_MS", 90 * 24 * 3600 * 1000, 1),
-            timers_max_ops=_int(env, "QUEEN_TIMERS_MAX_OPS", 256, 1),
+            timers_max_ops=(max_ops := _int(env, "QUEEN_TIMERS_MAX_OPS", 256, 1)),
+            max_body_bytes=_int(env, "QUEEN_MAX_BODY_BYTES", default_max_body_bytes(max_ops), 1),
             encryption_key=_key(env),
             auth=auth,
             jwt_secret=env.get("QUEEN_JWT_SECRET") or None,
             jwt_public_key=env.get("QUEEN_JWT_PUBLIC_KEY") or None,
+            jwt_leeway_seconds=_int(env, "QUEEN_JWT_LEEWAY_SECONDS", 5, 0),
             tenancy=_choice(env, "QUEEN_TENANCY", "off", ("off", "on")) == "on",
             pool_min=_int(env, "QUEEN_POOL_MIN", 1, 0),
             pool_max=_int(env, "QUEEN_POOL_MAX", 10, 1),

@@ -1,7 +1,8 @@
 """The OpenAPI 3.1 document of the broker, served at GET /openapi.json (public).
 
-The timer routes and /health are described here. Other route modules add
-theirs with module-level dicts, merged at request time:
+The timer routes and /health are described here. Other route modules
+(routes_log, routes_ops, routes_dashboard) add theirs with module-level
+dicts, merged at request time:
 
     OPENAPI_PATHS   = {"/api/v1/...": {"get": {...}}}       # merged into "paths"
     OPENAPI_SCHEMAS = {"Name": {...}}                        # merged into components.schemas
@@ -69,16 +70,19 @@ SCHEMAS: dict[str, dict] = {
                        "the server and refused (400), as is any unknown field.",
         "properties": {
             "op": {"type": "string", "enum": ["schedule", "reschedule", "cancel"]},
-            "queue": {"type": "string", "minLength": 1, "description": "destination queue"},
+            "queue": {"type": "string", "minLength": 1,
+                      "description": "destination queue; at most 255 bytes of UTF-8"},
             "timerKey": {"type": "string", "minLength": 1,
-                         "description": "identity, with the queue and the tenant"},
+                         "description": "identity, with the queue and the tenant; at most 1024 bytes "
+                                        "of UTF-8"},
             "delayMs": {"type": "integer", "description": "milliseconds from PostgreSQL's now(); "
                         "a value in the past is legal and fires on the first cycle"},
             "txn": {"type": "string", "minLength": 1, "description": "transaction id the frame "
                     "will carry; required for schedule, minted by the server when a reschedule "
-                    "omits it, echoed by cancel"},
+                    "omits it, echoed by cancel; at most 255 bytes of UTF-8"},
             "payload": {"type": "string", "contentEncoding": "base64"},
-            "partition": {"type": "string", "minLength": 1, "default": "Default"},
+            "partition": {"type": "string", "minLength": 1, "default": "Default",
+                          "description": "at most 255 bytes of UTF-8"},
             "payloadZstd": {"type": "boolean", "default": False},
             "encrypted": {"type": "boolean", "description": "refused when the destination queue "
                           "encrypts at rest: the broker sets it"},
@@ -219,8 +223,10 @@ TIMER_PATHS: dict[str, dict] = {
             "403": _error("a rung refused the batch (or the credential is too low: forbidden)",
                           ["forbidden", "feature_gated", "produce_blocked", "timers_quota_exceeded",
                            "timer_horizon_exceeded"], HINT_HDR),
-            "413": _error("a decoded (or decompressed) payload is over min(1 MiB, the plan's max)",
-                          ["payload_too_large"], HINT_HDR),
+            "413": _error("payload_too_large: a decoded (or decompressed) payload is over min(1 MiB, "
+                          "the plan's max), a rung, with the hint header; body_too_large: the request "
+                          "body is over QUEEN_MAX_BODY_BYTES (refused before it is read whole, no hint)",
+                          ["payload_too_large", "body_too_large"], HINT_HDR),
             "429": _error("rate exceeded", ["rate_limited"], {**RETRY_AFTER, **HINT_HDR}),
             "503": _error("an operator paused scheduling, or the database cannot answer",
                           ["timers_disabled", "timers_unavailable"], {**RETRY_AFTER, **HINT_HDR}),
@@ -279,6 +285,22 @@ TIMER_PATHS: dict[str, dict] = {
 }
 
 
+BODY_TOO_LARGE = _error("the request body is over QUEEN_MAX_BODY_BYTES (by its Content-Length, or "
+                        "by the bytes streamed so far); nothing is written", ["body_too_large"])
+INTERNAL_ERROR = _error("a bug: the broker log has the traceback; nothing is promised written or not",
+                        ["internal_error"])
+
+
+def _add_common_responses(paths: dict) -> None:
+    """Every operation may answer 500 internal_error; every one with a body 413 body_too_large."""
+    for methods in paths.values():
+        for operation in methods.values():
+            responses = operation.setdefault("responses", {})
+            if "requestBody" in operation and "413" not in responses:
+                responses["413"] = copy.deepcopy(BODY_TOO_LARGE)
+            responses.setdefault("500", copy.deepcopy(INTERNAL_ERROR))
+
+
 def _merge_paths(target: dict, extra: dict) -> None:
     for path, methods in (extra or {}).items():
         target.setdefault(path, {}).update(copy.deepcopy(methods))
@@ -287,17 +309,21 @@ def _merge_paths(target: dict, extra: dict) -> None:
 def build_document() -> dict:
     """The whole document: the timer routes here, plus what routes_log and
     routes_ops declare in OPENAPI_PATHS / OPENAPI_SCHEMAS."""
-    from . import routes_log, routes_ops  # at call time: those modules import freely
+    from . import routes_dashboard, routes_log, routes_ops  # at call time: those modules import freely
 
     paths = copy.deepcopy(TIMER_PATHS)
     schemas = copy.deepcopy(SCHEMAS)
-    for module in (routes_log, routes_ops):
+    for module in (routes_log, routes_ops, routes_dashboard):
         _merge_paths(paths, getattr(module, "OPENAPI_PATHS", {}))
         schemas.update(copy.deepcopy(getattr(module, "OPENAPI_SCHEMAS", {})))
+    _add_common_responses(paths)
     return {
         "openapi": "3.1.0",
         "info": {"title": "queen-timers", "version": __version__,
-                 "description": "A PostgreSQL-centric timer engine for a Queen MQ-style broker."},
+                 "description": "A PostgreSQL-centric timer engine for a Queen MQ-style broker. "
+                                "Every error body is {\"error\", \"detail\"}: an unknown path is "
+                                "404 not_found, a method a path does not take 405 "
+                                "method_not_allowed (with Allow)."},
         "paths": paths,
         "components": {
             "schemas": schemas,

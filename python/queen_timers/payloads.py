@@ -89,8 +89,9 @@ def is_envelope(value: object) -> bool:
 
 def decrypt(key: bytes, envelope_bytes: bytes) -> bytes:
     """Open an envelope made by encrypt() or by Queen (16-byte IV: first 12 bytes are the nonce)."""
+    from .bodies import parse_json  # depth-limited: stored bytes are anyone's
     try:
-        env = json.loads(envelope_bytes)
+        env = parse_json(envelope_bytes)
         if not is_envelope(env):
             raise PayloadError("not an encryption envelope")
         iv = base64.b64decode(env["iv"])
@@ -106,7 +107,8 @@ def decrypt(key: bytes, envelope_bytes: bytes) -> bytes:
 def as_json_data(data: bytes) -> object:
     """What Queen clients read as `data`: the JSON value when the bytes are JSON,
     otherwise the bytes as base64 text."""
+    from .bodies import parse_json  # strict, depth-limited: a 2,000-deep payload is not a 500
     try:
-        return json.loads(data.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError):
+        return parse_json(data)
+    except ValueError:  # not UTF-8, not JSON, NaN, or nested past the limit
         return encode_base64(data)

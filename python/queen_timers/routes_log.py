@@ -1,9 +1,11 @@
 """Routes of the Queen-compatible log a timer fires into.
 
-configure, push, pop, ack, ack/batch, message detail, DLQ list and DLQ
-replay. Shapes follow Queen MQ's HTTP API (docs/log-surface.md) so its
-clients work; every state change is one queen.* function call
-(sql/schema/50_log_api.sql). Payloads are bytes in the log: `data` is the
+configure, push, pop, ack, ack/batch, message detail, DLQ list, DLQ
+replay, transaction and lease extension. Shapes follow Queen MQ's HTTP API
+(docs/log-surface.md) so its clients work; every state change is one
+queen.* function call (sql/schema/50_log_api.sql). Every call is scoped by
+the caller's tenant (the JWT's `tenant`; `default` with auth off): another
+tenant's queues are invisible. Payloads are bytes in the log: `data` is the
 JSON value when the bytes are JSON, else their base64; `payloadBase64`
 is always the exact bytes.
 """
@@ -23,7 +25,9 @@ from starlette.routing import Route
 
 from . import payloads
 from .auth import READ_ONLY, READ_WRITE
+from .bodies import read_json
 from .errors import ApiError, bad_request, from_exception
+from .limits import check_name
 
 QUEUE_MODE = "__QUEUE_MODE__"
 ACK_STATUSES = ("completed", "success", "failed", "dlq", "retry")
@@ -63,25 +67,25 @@ def _s(value) -> str | None:
     return None if value is None else str(value)
 
 
-def _no_constant(name: str):
-    raise ValueError(f"{name} is not JSON")
-
-
 async def _json_body(request: Request) -> dict:
-    try:
-        body = json.loads(await request.body() or b"null", parse_constant=_no_constant)
-    except ValueError:
-        raise bad_request("the body is not valid JSON") from None
+    body = await read_json(request, empty=None)
     if not isinstance(body, dict):
         raise bad_request("the body must be a JSON object")
     return body
+
+
+def _no_nul(what: str, value: str | None) -> str | None:
+    """PostgreSQL text cannot hold NUL: refuse it as a shape error, not a database failure."""
+    if value is not None and "\x00" in value:
+        raise bad_request(f"{what} may not contain a NUL character")
+    return value
 
 
 def _opt_str(obj: dict, key: str, where: str) -> str | None:
     value = obj.get(key)
     if value is not None and not isinstance(value, str):
         raise bad_request(f"{where}{key} must be a string")
-    return value
+    return _no_nul(f"{where}{key}", value)
 
 
 def _uuid(value: object, what: str) -> uuid.UUID:
@@ -127,11 +131,13 @@ def _bool_param(request: Request, name: str, default: bool = False) -> bool:
 # ---------------------------------------------------------------------------
 
 async def configure(request: Request) -> JSONResponse:
-    request.app.state.auth.require(request, READ_WRITE)
+    principal = request.app.state.auth.require(request, READ_WRITE)
     body = await _json_body(request)
     queue = body.get("queue")
     if not isinstance(queue, str) or not queue:
         raise bad_request("queue is required (a non-empty string)")
+    _no_nul("queue", queue)
+    check_name("queue", queue)
     namespace = _opt_str(body, "namespace", "")
     task = _opt_str(body, "task", "")
     options = body.get("options")
@@ -139,10 +145,11 @@ async def configure(request: Request) -> JSONResponse:
         options = {}
     if not isinstance(options, dict):
         raise bad_request("options must be an object")
+    _no_nul("options", json.dumps(options).replace("\\u0000", "\x00"))
     async with _conn(request) as conn:
         cur = await conn.execute(
-            "SELECT * FROM queen.configure_queue(%s, %s, %s, %s::jsonb)",
-            (queue, namespace, task, json.dumps(options)))
+            "SELECT * FROM queen.configure_queue(%s, %s, %s, %s, %s::jsonb)",
+            (principal.tenant, queue, namespace, task, json.dumps(options)))
         row = await cur.fetchone()
     return JSONResponse({
         "configured": True, "queueId": str(row["queue_id"]), "partitionId": str(row["partition_id"]),
@@ -155,6 +162,47 @@ async def configure(request: Request) -> JSONResponse:
 # push
 # ---------------------------------------------------------------------------
 
+def _parse_push_item(item: object, where: str) -> tuple:
+    """(queue, partition, transactionId or None, traceId or None, payload bytes) of one item."""
+    if not isinstance(item, dict):
+        raise bad_request(f"{where} must be an object")
+    where = f"{where}."
+    queue = item.get("queue")
+    if not isinstance(queue, str) or not queue:
+        raise bad_request(f"{where}queue is required (a non-empty string)")
+    check_name("queue", queue, where)
+    partition = _opt_str(item, "partition", where) or "Default"
+    check_name("partition", partition, where)
+    txn = _opt_str(item, "transactionId", where) or None
+    if txn is not None:
+        check_name("transactionId", txn, where)
+    trace = item.get("traceId")
+    trace_id = None if trace is None else _uuid(trace, f"{where}traceId")
+    payload = item.get("payload", {})
+    try:
+        data = json.dumps(payload, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        raise bad_request(f"{where}payload is not valid Unicode (a lone surrogate)") from None
+    return (queue, partition, txn, trace_id, data)
+
+
+async def _encrypt_items(conn, settings, tenant: str, parsed: list[tuple]) -> list[tuple]:
+    """The items with their stored bytes and is_encrypted: encrypted when the
+    tenant's queue encrypts at rest and this broker has the key (as Queen)."""
+    encrypted: set[str] = set()
+    if settings.encryption_key is not None and parsed:
+        cur = await conn.execute("SELECT queen.encrypted_queues(%s, %s::text[]) AS name",
+                                 (tenant, sorted({p[0] for p in parsed})))
+        encrypted = {r["name"] for r in await cur.fetchall()}
+    rows = []
+    for queue, partition, txn, trace_id, data in parsed:
+        if queue in encrypted:
+            rows.append((queue, partition, txn, trace_id, payloads.encrypt(settings.encryption_key, data), True))
+        else:
+            rows.append((queue, partition, txn, trace_id, data, False))
+    return rows
+
+
 async def push(request: Request) -> JSONResponse:
     principal = request.app.state.auth.require(request, READ_WRITE)
     settings = request.app.state.settings
@@ -162,45 +210,22 @@ async def push(request: Request) -> JSONResponse:
     items = body.get("items")
     if not isinstance(items, list):
         raise bad_request("items is required (an array)")
-    parsed = []
-    for i, item in enumerate(items):
-        where = f"items[{i}]."
-        if not isinstance(item, dict):
-            raise bad_request(f"items[{i}] must be an object")
-        queue = item.get("queue")
-        if not isinstance(queue, str) or not queue:
-            raise bad_request(f"{where}queue is required (a non-empty string)")
-        partition = _opt_str(item, "partition", where) or "Default"
-        txn = _opt_str(item, "transactionId", where) or None
-        trace = item.get("traceId")
-        trace_id = None if trace is None else _uuid(trace, f"{where}traceId")
-        payload = item.get("payload", {})
-        data = json.dumps(payload, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
-        parsed.append((queue, partition, txn, trace_id, data))
+    parsed = [_parse_push_item(item, f"items[{i}]") for i, item in enumerate(items)]
     if not parsed:
         return JSONResponse([], status_code=201)
 
     async with _conn(request) as conn:
-        encrypted: set[str] = set()
-        if settings.encryption_key is not None:
-            cur = await conn.execute("SELECT queen.encrypted_queues(%s::text[]) AS name",
-                                     (sorted({p[0] for p in parsed}),))
-            encrypted = {r["name"] for r in await cur.fetchall()}
-        rows = []
-        for queue, partition, txn, trace_id, data in parsed:
-            if queue in encrypted:
-                rows.append((queue, partition, txn, trace_id, payloads.encrypt(settings.encryption_key, data), True))
-            else:
-                rows.append((queue, partition, txn, trace_id, data, False))
+        rows = await _encrypt_items(conn, settings, principal.tenant, parsed)
         cur = await conn.execute(
             """SELECT * FROM queen.push_messages(
+                   %s,
                    ARRAY(SELECT ROW(x.q, x.p, x.t, x.tr, x.pl, x.e)::queen.push_item
                            FROM unnest(%s::text[], %s::text[], %s::text[], %s::uuid[], %s::bytea[], %s::boolean[])
                                 WITH ORDINALITY AS x(q, p, t, tr, pl, e, n)
                           ORDER BY x.n),
                    %s)""",
-            ([r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows], [r[3] for r in rows],
-             [r[4] for r in rows], [r[5] for r in rows], principal.sub))
+            (principal.tenant, [r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows],
+             [r[3] for r in rows], [r[4] for r in rows], [r[5] for r in rows], principal.sub))
         results = await cur.fetchall()
     out = []
     for r in results:
@@ -219,22 +244,25 @@ async def push(request: Request) -> JSONResponse:
 # ---------------------------------------------------------------------------
 
 async def pop(request: Request) -> Response:
-    request.app.state.auth.require(request, READ_WRITE)
+    principal = request.app.state.auth.require(request, READ_WRITE)
     settings = request.app.state.settings
-    queue = request.path_params["queue"]
-    partition = request.path_params.get("partition")
+    queue = _no_nul("queue", request.path_params["queue"])
+    partition = _no_nul("partition", request.path_params.get("partition"))
+    check_name("queue", queue)
+    if partition is not None:
+        check_name("partition", partition)
     batch = _int_param(request, "batch", 1, 1, MAX_BATCH)
     wait = _bool_param(request, "wait")
     timeout_ms = _int_param(request, "timeout", DEFAULT_POP_TIMEOUT_MS, 0, MAX_POP_TIMEOUT_MS)
-    group = request.query_params.get("consumerGroup") or QUEUE_MODE
+    group = _no_nul("consumerGroup", request.query_params.get("consumerGroup")) or QUEUE_MODE
     auto_ack = _bool_param(request, "autoAck")
 
     deadline = time.monotonic() + timeout_ms / 1000
     sleep = 0.05
     while True:
         async with _conn(request) as conn:
-            cur = await conn.execute("SELECT * FROM queen.pop_messages(%s, %s, %s, %s, %s)",
-                                     (queue, partition, group, batch, auto_ack))
+            cur = await conn.execute("SELECT * FROM queen.pop_messages(%s, %s, %s, %s, %s, %s)",
+                                     (principal.tenant, queue, partition, group, batch, auto_ack))
             rows = await cur.fetchall()
         remaining = deadline - time.monotonic()
         if rows or not wait or remaining <= 0:
@@ -274,6 +302,7 @@ def _parse_ack(obj: object, where: str, default_group: str | None) -> tuple:
     txn = obj.get("transactionId")
     if not isinstance(txn, str) or not txn:
         raise bad_request(f"{where}.transactionId is required (a string)")
+    check_name("transactionId", txn, f"{where}.")
     partition_id = _uuid(obj.get("partitionId"), f"{where}.partitionId")
     status = obj.get("status")
     if status is not None and status not in ACK_STATUSES:
@@ -281,26 +310,30 @@ def _parse_ack(obj: object, where: str, default_group: str | None) -> tuple:
     error = obj.get("error")
     if error is not None and not isinstance(error, str):
         error = json.dumps(error)
+    _no_nul(f"{where}.error", error)
     lease = obj.get("leaseId")
     if lease is not None and not isinstance(lease, str):
         raise bad_request(f"{where}.leaseId must be a string")
+    _no_nul(f"{where}.leaseId", lease)
     group = obj.get("consumerGroup")
     if group is not None and not isinstance(group, str):
         raise bad_request(f"{where}.consumerGroup must be a string")
+    _no_nul(f"{where}.consumerGroup", group)
     return (txn, partition_id, status, error, lease, group or default_group)
 
 
-async def _ack(request: Request, acks: list[tuple]) -> list[dict]:
+async def _ack(request: Request, tenant: str, acks: list[tuple]) -> list[dict]:
     if not acks:
         return []
     async with _conn(request) as conn:
         cur = await conn.execute(
             """SELECT * FROM queen.ack_messages(
+                   %s,
                    ARRAY(SELECT ROW(x.t, x.p, x.s, x.e, x.l, x.g)::queen.ack_item
                            FROM unnest(%s::text[], %s::uuid[], %s::text[], %s::text[], %s::text[], %s::text[])
                                 WITH ORDINALITY AS x(t, p, s, e, l, g, n)
                           ORDER BY x.n))""",
-            tuple([a[i] for a in acks] for i in range(6)))
+            (tenant, *([a[i] for a in acks] for i in range(6))))
         rows = await cur.fetchall()
     return [{"index": r["idx"], "transactionId": r["transaction_id"], "success": r["success"],
              "error": r["error"], "queueName": r["queue_name"], "partitionName": r["partition_name"],
@@ -308,22 +341,23 @@ async def _ack(request: Request, acks: list[tuple]) -> list[dict]:
 
 
 async def ack(request: Request) -> JSONResponse:
-    request.app.state.auth.require(request, READ_WRITE)
+    principal = request.app.state.auth.require(request, READ_WRITE)
     body = await _json_body(request)
-    return JSONResponse(await _ack(request, [_parse_ack(body, "body", None)]))
+    return JSONResponse(await _ack(request, principal.tenant, [_parse_ack(body, "body", None)]))
 
 
 async def ack_batch(request: Request) -> JSONResponse:
-    request.app.state.auth.require(request, READ_WRITE)
+    principal = request.app.state.auth.require(request, READ_WRITE)
     body = await _json_body(request)
     group = body.get("consumerGroup")
     if group is not None and not isinstance(group, str):
         raise bad_request("consumerGroup must be a string")
+    _no_nul("consumerGroup", group)
     items = body.get("acknowledgments")
     if not isinstance(items, list):
         raise bad_request("acknowledgments is required (an array)")
     acks = [_parse_ack(a, f"acknowledgments[{i}]", group) for i, a in enumerate(items)]
-    return JSONResponse(await _ack(request, acks))
+    return JSONResponse(await _ack(request, principal.tenant, acks))
 
 
 # ---------------------------------------------------------------------------
@@ -331,15 +365,17 @@ async def ack_batch(request: Request) -> JSONResponse:
 # ---------------------------------------------------------------------------
 
 async def get_message(request: Request) -> JSONResponse:
-    request.app.state.auth.require(request, READ_ONLY)
+    principal = request.app.state.auth.require(request, READ_ONLY)
     settings = request.app.state.settings
     try:
         partition_id = uuid.UUID(request.path_params["partitionId"])
     except ValueError:
         return JSONResponse({"error": "Message not found"}, status_code=404)
+    check_name("transactionId", request.path_params["transactionId"])
     async with _conn(request) as conn:
-        cur = await conn.execute("SELECT * FROM queen.get_message(%s, %s)",
-                                 (partition_id, request.path_params["transactionId"]))
+        cur = await conn.execute("SELECT * FROM queen.get_message(%s, %s, %s)",
+                                 (principal.tenant, partition_id,
+                                  _no_nul("transactionId", request.path_params["transactionId"])))
         r = await cur.fetchone()
     if r is None:
         return JSONResponse({"error": "Message not found"}, status_code=404)
@@ -363,16 +399,19 @@ async def get_message(request: Request) -> JSONResponse:
 # ---------------------------------------------------------------------------
 
 async def list_dlq(request: Request) -> JSONResponse:
-    request.app.state.auth.require(request, READ_ONLY)
-    queue = request.query_params.get("queue") or None
-    group = request.query_params.get("consumerGroup") or None
+    principal = request.app.state.auth.require(request, READ_ONLY)
+    queue = _no_nul("queue", request.query_params.get("queue")) or None
+    group = _no_nul("consumerGroup", request.query_params.get("consumerGroup")) or None
+    if queue is not None:
+        check_name("queue", queue)
     limit = _int_param(request, "limit", 100, 1, 1000)
     offset = _int_param(request, "offset", 0, 0, 2**31 - 1)
     # `partition`, `from` and `to` are ignored, as Queen's dlq route does
     async with _conn(request) as conn:
-        cur = await conn.execute("SELECT * FROM queen.list_dlq(%s, %s, %s, %s)", (queue, group, limit, offset))
+        cur = await conn.execute("SELECT * FROM queen.list_dlq(%s, %s, %s, %s, %s)",
+                                 (principal.tenant, queue, group, limit, offset))
         rows = await cur.fetchall()
-        cur = await conn.execute("SELECT queen.count_dlq(%s, %s) AS total", (queue, group))
+        cur = await conn.execute("SELECT queen.count_dlq(%s, %s, %s) AS total", (principal.tenant, queue, group))
         total = (await cur.fetchone())["total"]
     messages = []
     for r in rows:
@@ -392,15 +431,144 @@ async def list_dlq(request: Request) -> JSONResponse:
 
 
 async def replay_dlq(request: Request) -> JSONResponse:
-    request.app.state.auth.require(request, READ_WRITE)
+    principal = request.app.state.auth.require(request, READ_WRITE)
     try:
         dlq_id = uuid.UUID(request.path_params["id"])
     except ValueError:
         raise ApiError(404, "not_found", "no DLQ entry with that id (it is not a UUID)") from None
     async with _conn(request) as conn:
-        cur = await conn.execute("SELECT queen.replay_dlq_entry(%s) AS message_id", (dlq_id,))
+        cur = await conn.execute("SELECT queen.replay_dlq_entry(%s, %s) AS message_id", (principal.tenant, dlq_id))
         row = await cur.fetchone()
     return JSONResponse({"replayed": True, "dlqId": str(dlq_id), "messageId": str(row["message_id"])})
+
+
+# ---------------------------------------------------------------------------
+# transaction (atomic pushes + acks) and lease extension
+# ---------------------------------------------------------------------------
+
+MAX_TXN_OPS = 10000
+
+TXN_SQL = """
+SELECT o.transaction_id, o.success, o.error, o.failed_index,
+       (SELECT coalesce(jsonb_agg(to_jsonb(r) ORDER BY r.idx), '[]'::jsonb) FROM unnest(o.results) r) AS results
+  FROM queen.execute_transaction(
+         %s,
+         ARRAY(SELECT ROW(x.ty, x.q, x.p, x.t, x.tr, x.pl, x.e, x.pid, x.s, x.err, x.l, x.g)::queen.txn_op
+                 FROM unnest(%s::text[], %s::text[], %s::text[], %s::text[], %s::uuid[], %s::bytea[],
+                             %s::boolean[], %s::uuid[], %s::text[], %s::text[], %s::text[], %s::text[])
+                      WITH ORDINALITY AS x(ty, q, p, t, tr, pl, e, pid, s, err, l, g, n)
+                ORDER BY x.n),
+         %s::text[],
+         %s) o
+"""
+
+
+def _txn_result(r: dict) -> dict:
+    if r["type"] == "push":
+        return {"index": r["idx"], "type": "push", "success": r["success"], "status": r["status"],
+                "transactionId": r["transaction_id"], "messageId": r["message_id"],
+                "partitionId": r["partition_id"], "queueName": r["queue_name"]}
+    return {"index": r["idx"], "type": "ack", "success": r["success"], "transactionId": r["transaction_id"],
+            "error": r["error"], "partitionId": r["partition_id"], "queueName": r["queue_name"],
+            "partitionName": r["partition_name"], "leaseReleased": r["lease_released"], "dlq": r["dlq"]}
+
+
+async def transaction(request: Request) -> JSONResponse:
+    """Queen's POST /api/v1/transaction: {operations: [{type: "push", items: [...]} |
+    {type: "ack", transactionId, partitionId, status?, error?, leaseId?, consumerGroup?}],
+    requiredLeases?: [...]}. One queen.execute_transaction call: all or nothing."""
+    principal = request.app.state.auth.require(request, READ_WRITE)
+    settings = request.app.state.settings
+    body = await _json_body(request)
+    for rider in ("kv", "timers"):
+        if body.get(rider):
+            raise bad_request(f"{rider} operations in a transaction are not supported by this broker; "
+                              "nothing was applied")
+    operations = body.get("operations")
+    if not isinstance(operations, list):
+        raise bad_request("operations is required (an array)")
+    if not operations:
+        raise bad_request("operations may not be empty")
+    required = body.get("requiredLeases")
+    if required is None:
+        required = []
+    if not isinstance(required, list) or not all(isinstance(x, str) for x in required):
+        raise bad_request("requiredLeases must be an array of strings")
+    for lease in required:
+        _no_nul("requiredLeases", lease)
+
+    pushes: dict[int, tuple] = {}   # flat index -> parsed push item
+    acks: dict[int, tuple] = {}     # flat index -> parsed ack
+    flat = 0
+    for i, op in enumerate(operations):
+        where = f"operations[{i}]"
+        if not isinstance(op, dict):
+            raise bad_request(f"{where} must be an object")
+        kind = op.get("type")
+        if kind == "push":
+            items = op.get("items")
+            if not isinstance(items, list):
+                raise bad_request(f"{where}.items is required (an array)")
+            for j, item in enumerate(items):
+                if isinstance(item, dict) and "payload" not in item and "data" in item:
+                    item = {**item, "payload": item["data"]}  # Queen reads payload, else data
+                pushes[flat] = _parse_push_item(item, f"{where}.items[{j}]")
+                flat += 1
+        elif kind == "ack":
+            acks[flat] = _parse_ack(op, where, None)
+            flat += 1
+        else:
+            raise bad_request(f"{where}.type must be push or ack")
+        if flat > MAX_TXN_OPS:
+            raise bad_request(f"at most {MAX_TXN_OPS} operations (pushed items and acks) per transaction")
+    if flat == 0:
+        raise bad_request("the transaction has no operations (every push has an empty items array)")
+
+    async with _conn(request) as conn:
+        order = sorted(pushes)
+        stored = dict(zip(order, await _encrypt_items(conn, settings, principal.tenant,
+                                                      [pushes[k] for k in order])))
+        cols: list[list] = [[] for _ in range(12)]
+        for k in range(flat):
+            if k in stored:
+                q, p, t, tr, pl, e = stored[k]
+                row = ("push", q, p, t, tr, pl, e, None, None, None, None, None)
+            else:
+                t, pid, st, err, lease, group = acks[k]
+                row = ("ack", None, None, t, None, None, None, pid, st, err, lease, group)
+            for c, v in zip(cols, row):
+                c.append(v)
+        cur = await conn.execute(TXN_SQL, (principal.tenant, *cols, required, principal.sub))
+        out = await cur.fetchone()
+    body = {"transactionId": str(out["transaction_id"]), "success": out["success"],
+            "results": [_txn_result(r) for r in out["results"]]}
+    if not out["success"]:
+        body["error"] = out["error"]
+        body["failedIndex"] = out["failed_index"]
+    return JSONResponse(body)
+
+
+MAX_EXTEND_SECONDS = 86400
+
+
+async def extend_lease(request: Request) -> JSONResponse:
+    """Queen's POST /api/v1/lease/:leaseId/extend {seconds?: 60}: a one-element
+    array {index, leaseId, success, error, expiresAt, newExpiresAt, renewed}."""
+    principal = request.app.state.auth.require(request, READ_WRITE)
+    lease_id = _no_nul("leaseId", request.path_params["leaseId"])
+    body = await _json_body(request) if (await request.body()).strip() else {}
+    seconds = body.get("seconds")
+    if seconds is None:
+        seconds = 60
+    if isinstance(seconds, bool) or not isinstance(seconds, int) or not 1 <= seconds <= MAX_EXTEND_SECONDS:
+        raise bad_request(f"seconds must be an integer from 1 to {MAX_EXTEND_SECONDS}")
+    async with _conn(request) as conn:
+        cur = await conn.execute("SELECT * FROM queen.extend_lease(%s, %s, %s)",
+                                 (principal.tenant, lease_id, seconds))
+        r = await cur.fetchone()
+    expires = iso_us(r["expires_at"])
+    return JSONResponse([{"index": 0, "leaseId": lease_id, "success": r["success"], "error": r["error"],
+                          "expiresAt": expires, "newExpiresAt": expires, "renewed": r["renewed"]}])
 
 
 routes = [
@@ -413,6 +581,8 @@ routes = [
     Route("/api/v1/messages/{partitionId}/{transactionId:path}", get_message, methods=["GET"]),
     Route("/api/v1/dlq", list_dlq, methods=["GET"]),
     Route("/api/v1/dlq/{id}/replay", replay_dlq, methods=["POST"]),
+    Route("/api/v1/transaction", transaction, methods=["POST"]),
+    Route("/api/v1/lease/{leaseId}/extend", extend_lease, methods=["POST"]),
 ]
 
 
@@ -519,6 +689,24 @@ OPENAPI_PATHS: dict = {
                       "404": _err("no such DLQ entry", ["not_found"]),
                       "409": _err("a timer's dead letter cannot be replayed", ["dlq_replay_refused"]),
                       **_AUTH, **_UNAVAILABLE}}},
+    "/api/v1/transaction": {"post": {
+        "summary": "Pushes and acks in one database transaction: all applied, or none",
+        "description": "Each pushed item and each ack is one operation (the flat `index`). An ack that does "
+                       "not succeed, or a required lease that is not held, applies nothing: 200 with "
+                       "`success: false`, `error` and `failedIndex` (null for a required lease). A push "
+                       "whose transactionId is already in the partition is `duplicate`, not a failure.",
+        "requestBody": {"required": True, "content": {"application/json": {"schema": _ref("TransactionRequest")}}},
+        "responses": {"200": _json("the outcome", _ref("TransactionResult")), **_BAD, **_AUTH, **_UNAVAILABLE}}},
+    "/api/v1/lease/{leaseId}/extend": {"post": {
+        "summary": "Extend a pop's lease to at least now + `seconds` (never shortens it)",
+        "parameters": [_p("leaseId", "the leaseId a pop returned")],
+        "requestBody": {"required": False, "content": {"application/json": {"schema": {
+            "type": "object", "properties": {"seconds": {"type": "integer", "minimum": 1, "maximum": 86400,
+                                                         "default": 60}}}}}},
+        "responses": {"200": _json("a one-element array; success false when the lease is unknown, released, "
+                                   "expired or another tenant's",
+                                   {"type": "array", "items": _ref("LeaseExtendResult")}),
+                      **_BAD, **_AUTH, **_UNAVAILABLE}}},
 }
 
 _INT = {"type": "integer", "minimum": 0}
@@ -599,4 +787,36 @@ OPENAPI_SCHEMAS: dict = {
             "failedAt": {"type": "string"}}}},
         "pagination": {"type": "object", "properties": {"limit": {"type": "integer"}, "offset": {"type": "integer"}}},
         "total": {"type": "integer"}}},
+    "TransactionRequest": {"type": "object", "required": ["operations"], "properties": {
+        "operations": {"type": "array", "minItems": 1, "items": {"oneOf": [
+            {"type": "object", "required": ["type", "items"], "properties": {
+                "type": {"const": "push"},
+                "items": {"type": "array", "items": {"type": "object", "required": ["queue"], "properties": {
+                    "queue": {"type": "string", "minLength": 1}, "partition": {"type": "string"},
+                    "payload": {"description": "any JSON value (`data` is read when payload is absent)"},
+                    "transactionId": {"type": "string"}, "traceId": {"type": "string", "format": "uuid"}}}}}},
+            {"allOf": [{"type": "object", "required": ["type"], "properties": {"type": {"const": "ack"}}},
+                       _ref("Ack")]}]}},
+        "requiredLeases": {"type": "array", "items": {"type": "string"},
+                           "description": "leases that must be held; an ack without its own leaseId "
+                                          "borrows the lease when exactly one is named"},
+        "kv": {"description": "not supported by this broker: a non-empty value is 400"},
+        "timers": {"description": "not supported by this broker: a non-empty value is 400"}}},
+    "TransactionResult": {"type": "object", "properties": {
+        "transactionId": {"type": "string", "format": "uuid"}, "success": {"type": "boolean"},
+        "error": {"type": "string", "description": "only when success is false"},
+        "failedIndex": {"type": ["integer", "null"], "description": "only when success is false"},
+        "results": {"type": "array", "description": "one per operation when success; empty otherwise",
+                    "items": {"type": "object", "properties": {
+                        "index": {"type": "integer"}, "type": {"enum": ["push", "ack"]},
+                        "success": {"type": "boolean"}, "status": {"enum": ["queued", "duplicate"]},
+                        "transactionId": {"type": "string"}, "messageId": {"type": "string", "format": "uuid"},
+                        "partitionId": {"type": "string", "format": "uuid"}, "queueName": {"type": "string"},
+                        "partitionName": {"type": "string"}, "error": {"type": ["string", "null"]},
+                        "leaseReleased": {"type": "boolean"}, "dlq": {"type": "boolean"}}}}}},
+    "LeaseExtendResult": {"type": "object", "properties": {
+        "index": {"const": 0}, "leaseId": {"type": "string"}, "success": {"type": "boolean"},
+        "error": {"enum": [None, "Lease not found", "Lease already expired"]},
+        "expiresAt": {"type": ["string", "null"]}, "newExpiresAt": {"type": ["string", "null"]},
+        "renewed": {"type": "integer", "description": "partitions extended"}}},
 }

@@ -1,6 +1,7 @@
 """Operator routes: the fire's switches, its status, and the Prometheus scrape.
 
     GET  /api/v1/system/timers             admin   {schedulingPaused, firePaused, pending}
+    GET  /api/v1/system/timers/stats       read-only  per-queue aggregates of the caller's tenant
     POST /api/v1/system/timers/scheduling  admin   {"paused": bool} -> status
     POST /api/v1/system/timers/fire        admin   {"paused": bool} -> status
     GET  /metrics/prometheus               public  text/plain; version=0.0.4
@@ -8,21 +9,28 @@
 The switches are queen.pause_scheduling / queen.pause_fire: one row in
 queen.cell_settings, so a pause applies to every broker of the cell, and a
 DBA can flip it from psql with no broker running.
+
+The stats (queen.get_timer_stats) are aggregates only, counts per queue and
+per time bucket of the caller's tenant: the contract has no tenant-wide
+timer list, and this route is not one.
 """
 
 from __future__ import annotations
 
-import json
+from datetime import timezone
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from .auth import ADMIN
-from .errors import ApiError, bad_request, from_exception
+from .auth import ADMIN, READ_ONLY
+from .bodies import read_json
+from .errors import bad_request, from_exception
 from .metrics import CONTENT_TYPE
 
 STATUS_SQL = "SELECT * FROM queen.get_timer_status()"
+STATS_SQL = "SELECT * FROM queen.get_timer_stats(%s, %s, %s, %s)"
+STATS_COUNTS = ("pending", "due", "claimed", "retrying")
 
 
 def _status_body(row: dict) -> dict:
@@ -31,11 +39,7 @@ def _status_body(row: dict) -> dict:
 
 
 async def _paused_flag(request: Request) -> bool:
-    raw = await request.body()
-    try:
-        body = json.loads(raw or b"null")
-    except ValueError:
-        raise bad_request("body must be JSON: {\"paused\": true|false}") from None
+    body = await read_json(request, empty=None)
     if not isinstance(body, dict):
         raise bad_request("body must be a JSON object: {\"paused\": true|false}")
     unknown = sorted(set(body) - {"paused"})
@@ -75,6 +79,42 @@ async def pause_fire(request: Request) -> JSONResponse:
     return await _switch(request, "pause_fire")
 
 
+def _iso(value) -> str | None:
+    return None if value is None else value.astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def _int_query(request: Request, name: str, default: int) -> int:
+    raw = request.query_params.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise bad_request(f"query parameter {name} must be an integer") from None
+
+
+async def timers_stats(request: Request) -> JSONResponse:
+    """Counts per queue and per bucket of deliverAt; the ranges are checked by SQL (QTBAD -> 400)."""
+    principal = request.app.state.auth.require(request, READ_ONLY)
+    buckets = _int_query(request, "buckets", 60)
+    bucket_seconds = _int_query(request, "bucketSeconds", 60)
+    async with request.app.state.pool.connection() as conn:
+        cur = await conn.execute("SELECT now() AS as_of")
+        as_of = (await cur.fetchone())["as_of"]
+        cur = await conn.execute(STATS_SQL, (principal.tenant, buckets, bucket_seconds, as_of))
+        rows = await cur.fetchall()
+    queues = [{"queue": r["queue"], **{k: int(r[k]) for k in STATS_COUNTS},
+               "nextDeliverAt": _iso(r["next_deliver_at"]),
+               "dueByBucket": [int(n) for n in r["due_by_bucket"]]} for r in rows]
+    return JSONResponse({
+        "tenant": principal.tenant, "asOf": _iso(as_of),
+        "buckets": buckets, "bucketSeconds": bucket_seconds,
+        "totals": {k: sum(q[k] for q in queues) for k in STATS_COUNTS},
+        "dueByBucket": [sum(column) for column in zip(*(q["dueByBucket"] for q in queues))] or [0] * buckets,
+        "queues": queues,
+    })
+
+
 async def prometheus(request: Request) -> Response:
     metrics = request.app.state.sweeper.metrics
     try:
@@ -91,6 +131,7 @@ async def prometheus(request: Request) -> Response:
 
 routes = [
     Route("/api/v1/system/timers", timers_status, methods=["GET"]),
+    Route("/api/v1/system/timers/stats", timers_stats, methods=["GET"]),
     Route("/api/v1/system/timers/scheduling", pause_scheduling, methods=["POST"]),
     Route("/api/v1/system/timers/fire", pause_fire, methods=["POST"]),
     Route("/metrics/prometheus", prometheus, methods=["GET"]),
@@ -103,6 +144,33 @@ _STATUS_SCHEMA = {
         "schedulingPaused": {"type": "boolean", "description": "POST /api/v1/timers answers 503 timers_disabled"},
         "firePaused": {"type": "boolean", "description": "no broker of the cell fires timers"},
         "pending": {"type": "integer", "description": "pending timers in the cell"},
+    },
+}
+_COUNTS = {
+    "pending": {"type": "integer", "description": "every timer not yet fired, claimed and in backoff included"},
+    "due": {"type": "integer", "description": "deliverAt has passed and no broker holds it"},
+    "claimed": {"type": "integer", "description": "a broker holds it (lease running)"},
+    "retrying": {"type": "integer", "description": "not claimed, at least one fire of it failed"},
+}
+_HISTOGRAM = {"type": "array", "items": {"type": "integer", "minimum": 0},
+              "description": "`buckets` counts of unclaimed timers by deliverAt, from asOf"}
+_STATS_SCHEMA = {
+    "type": "object",
+    "required": ["tenant", "asOf", "buckets", "bucketSeconds", "totals", "dueByBucket", "queues"],
+    "properties": {
+        "tenant": {"type": "string"},
+        "asOf": {"type": "string", "format": "date-time", "description": "PostgreSQL's now(): the buckets' origin"},
+        "buckets": {"type": "integer"},
+        "bucketSeconds": {"type": "integer"},
+        "totals": {"type": "object", "required": list(_COUNTS), "properties": _COUNTS},
+        "dueByBucket": _HISTOGRAM,
+        "queues": {"type": "array", "description": "one per queue holding a timer of the tenant, by name",
+                   "items": {"type": "object",
+                             "required": ["queue", *_COUNTS, "nextDeliverAt", "dueByBucket"],
+                             "properties": {"queue": {"type": "string"}, **_COUNTS,
+                                            "nextDeliverAt": {"type": ["string", "null"], "format": "date-time",
+                                                              "description": "soonest deliverAt of an unclaimed timer"},
+                                            "dueByBucket": _HISTOGRAM}}},
     },
 }
 _ERROR = {"type": "object", "required": ["error"],
@@ -135,6 +203,29 @@ OPENAPI_PATHS: dict = {
         "get": {"summary": "Status of the fire", "tags": ["system"], "x-access-level": "admin",
                 "description": "The operator switches (queen.cell_settings) and the cell's pending timers.",
                 "responses": {**_STATUS_OK, **{k: v for k, v in _ERRORS.items() if k != "400"}}},
+    },
+    "/api/v1/system/timers/stats": {
+        "get": {"summary": "Aggregates of the caller's pending timers, per queue and per time bucket",
+                "tags": ["system"], "x-access-level": "read-only",
+                "description": "Counts only, never a timer (there is no tenant-wide timer list), and only "
+                               "the caller's tenant (queen.get_timer_stats). dueByBucket[i] counts the "
+                               "unclaimed timers with asOf + i*bucketSeconds <= deliverAt < asOf + "
+                               "(i+1)*bucketSeconds (and deliverAt > asOf); a timer already due is in `due`. "
+                               "Costs one pass over the tenant's timers: for a dashboard, not a hot path.",
+                "parameters": [
+                    {"name": "buckets", "in": "query", "required": False,
+                     "schema": {"type": "integer", "default": 60, "minimum": 1, "maximum": 1440}},
+                    {"name": "bucketSeconds", "in": "query", "required": False,
+                     "schema": {"type": "integer", "default": 60, "minimum": 1, "maximum": 86400}}],
+                "responses": {
+                    "200": {"description": "the aggregates",
+                            "content": {"application/json": {"schema": _STATS_SCHEMA}}},
+                    "400": {"description": "buckets or bucketSeconds not an integer or out of range "
+                                           "(timers_bad_request)",
+                            "content": {"application/json": {"schema": _ERROR}}},
+                    **{k: v for k, v in _ERRORS.items() if k in ("401", "503")},
+                    "403": {"description": "the credential has no read-only access (write-only)",
+                            "content": {"application/json": {"schema": _ERROR}}}}},
     },
     "/api/v1/system/timers/scheduling": _switch_op(
         "Pause or resume scheduling",

@@ -13,7 +13,6 @@ every state change is one queen.* call. SQLSTATE -> HTTP is errors.py.
 
 from __future__ import annotations
 
-import json
 import logging
 from datetime import datetime, timezone
 from urllib.parse import unquote_to_bytes
@@ -24,7 +23,9 @@ from starlette.routing import Route
 
 from . import payloads
 from .auth import READ_ONLY, READ_WRITE, WRITE_ONLY
+from .bodies import read_json
 from .errors import ApiError, bad_request, from_exception
+from .limits import check_name
 from .openapi import openapi_endpoint
 
 log = logging.getLogger("queen_timers.timers")
@@ -70,9 +71,8 @@ SELECT v.ordinal, v.ok, v.status, v.queue, v.timer_key, v.txn, v.message_id, v.d
  ORDER BY v.ordinal
 """
 
-ENCRYPTING_QUEUES_SQL = """
-SELECT name FROM queen.queues WHERE name = ANY(%s::text[]) AND encryption_enabled
-"""
+# the caller's queues only: a queue name is unique per tenant, not per cell
+ENCRYPTING_QUEUES_SQL = "SELECT queen.encrypted_queues(%s, %s::text[]) AS name"
 
 
 # ---------------------------------------------------------------------------
@@ -113,11 +113,6 @@ def list_row_json(r: dict) -> dict:
     }
 
 
-def _check_text(name: str, value: str, where: str) -> None:
-    if "\x00" in value:
-        raise bad_request(f"{where}{name} may not contain a NUL character")
-
-
 def _path_parts(request: Request) -> tuple[str, str | None]:
     """(queue, timerKey or None) from the raw path, so that `tenant/42` and
     `tenant%2F42` are the same key and a queue segment is decoded exactly once.
@@ -142,9 +137,9 @@ def _path_or_400(request: Request) -> tuple[str, str | None]:
         raise bad_request("the path is not valid percent-encoded UTF-8") from None
     if not queue:
         raise bad_request("queue is required")
-    _check_text("queue", queue, "")
+    check_name("queue", queue, "")
     if key is not None:
-        _check_text("timerKey", key, "")
+        check_name("timerKey", key, "")
     return queue, key
 
 
@@ -208,7 +203,7 @@ def _parse_ops(body: object, max_ops: int) -> list[dict]:
             value = raw.get(name)
             if not isinstance(value, str) or value == "":
                 raise bad_request(f"{where}{name} is required and must be a non-empty string")
-            _check_text(name, value, where)
+            check_name(name, value, where)
             parsed[name] = value
         key = (parsed["queue"], parsed["timerKey"])
         if key in seen:
@@ -221,7 +216,7 @@ def _parse_ops(body: object, max_ops: int) -> list[dict]:
         if op == "schedule" and txn is None:
             raise bad_request(f"{where}txn is required for schedule")
         if txn is not None:
-            _check_text("txn", txn, where)
+            check_name("txn", txn, where)
         parsed["txn"] = txn
         if op == "cancel":
             out.append(parsed)
@@ -240,7 +235,7 @@ def _parse_ops(body: object, max_ops: int) -> list[dict]:
         if partition is not None:
             if not isinstance(partition, str) or partition == "":
                 raise bad_request(f"{where}partition must be a non-empty string")
-            _check_text("partition", partition, where)
+            check_name("partition", partition, where)
         parsed["partition"] = partition
 
         for name in ("payloadZstd", "encrypted"):
@@ -303,17 +298,13 @@ def _encrypt_ops(ops: list[dict], encrypting: set[str], key: bytes | None) -> No
 async def schedule(request: Request) -> JSONResponse:
     principal = request.app.state.auth.require(request, WRITE_ONLY)
     settings = request.app.state.settings
-    raw = await request.body()
-    try:
-        body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError):
-        raise bad_request("the body is not valid JSON") from None
+    body = await read_json(request)
     ops = _parse_ops(body, settings.timers_max_ops)
 
     async def work(conn):
         upserts = sorted({o["queue"] for o in ops if o["op"] != "cancel"})
         if upserts:
-            cur = await conn.execute(ENCRYPTING_QUEUES_SQL, (upserts,))
+            cur = await conn.execute(ENCRYPTING_QUEUES_SQL, (principal.tenant, upserts))
             encrypting = {r["name"] for r in await cur.fetchall()}
             _encrypt_ops(ops, encrypting, settings.encryption_key)
         params = {
@@ -355,7 +346,7 @@ async def cancel(request: Request) -> JSONResponse:
         raise bad_request("timerKey is required")
     txn = request.query_params.get("txn")
     if txn is not None:
-        _check_text("txn", txn, "")
+        check_name("txn", txn, "")
 
     async def work(conn):
         cur = await conn.execute("SELECT queen.cancel_timer(%s, %s, %s) AS status",
@@ -401,7 +392,7 @@ async def list_timers(request: Request) -> JSONResponse:
 async def _list(request: Request, principal, queue: str) -> JSONResponse:
     after = request.query_params.get("after")
     if after is not None:
-        _check_text("after", after, "")
+        check_name("after", after, "")
     raw_limit = request.query_params.get("limit")
     limit = 100
     if raw_limit is not None and raw_limit != "":

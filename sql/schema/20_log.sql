@@ -6,9 +6,13 @@
 -- Tables
 -- ---------------------------------------------------------------------
 
+-- A queue belongs to one tenant: its name is unique per tenant, not per
+-- cell, and another tenant's queue of the same name is a different queue
+-- (invisible to the first). With QUEEN_AUTH=off every queue is 'default's.
+-- tenant is the last column because migration 002 added it.
 CREATE TABLE queen.queues (
     id                           uuid PRIMARY KEY DEFAULT gen_random_uuid(),
-    name                         text NOT NULL CONSTRAINT queues_name_unique UNIQUE,
+    name                         text NOT NULL,
     namespace                    text,
     task                         text,
     lease_time                   integer NOT NULL DEFAULT 300,    -- seconds
@@ -28,7 +32,9 @@ CREATE TABLE queen.queues (
     max_wait_time_seconds        integer NOT NULL DEFAULT 0,
     created_at                   timestamptz NOT NULL DEFAULT now(),
     updated_at                   timestamptz NOT NULL DEFAULT now(),
-    CONSTRAINT queue_name_not_empty CHECK (name <> '')
+    tenant                       text NOT NULL DEFAULT 'default',
+    CONSTRAINT queue_name_not_empty CHECK (name <> ''),
+    CONSTRAINT queues_tenant_name_unique UNIQUE (tenant, name)
 );
 
 CREATE TABLE queen.partitions (
@@ -100,36 +106,47 @@ CREATE INDEX dead_letter_queue_partition_idx ON queen.dead_letter_queue (partiti
 -- Functions
 -- ---------------------------------------------------------------------
 
--- The queue's id, creating it with defaults when it does not exist yet
--- (queues and partitions are created on first use, as in Queen).
-CREATE FUNCTION queen.ensure_queue(p_queue text)
+-- Whether a queue name, partition name or transaction id fits the log:
+-- at most 255 bytes of UTF-8 (Queen's varchar(255) columns). NULL fits
+-- (absent). The log functions raise QTBAD for a name that does not.
+CREATE FUNCTION queen.log_name_fits(p_value text)
+RETURNS boolean
+LANGUAGE sql IMMUTABLE AS $$
+    SELECT p_value IS NULL OR octet_length(p_value) <= 255
+$$;
+
+-- The tenant's queue id, creating the queue with defaults when it does
+-- not exist yet (queues and partitions are created on first use, as in
+-- Queen).
+CREATE FUNCTION queen.ensure_queue(p_tenant text, p_queue text)
 RETURNS uuid
 LANGUAGE plpgsql AS $$
 DECLARE
     v_id uuid;
 BEGIN
-    SELECT id INTO v_id FROM queen.queues WHERE name = p_queue;
+    SELECT id INTO v_id FROM queen.queues WHERE tenant = p_tenant AND name = p_queue;
     IF FOUND THEN
         RETURN v_id;
     END IF;
-    INSERT INTO queen.queues (name, namespace, task)
-    VALUES (p_queue, nullif(split_part(p_queue, '.', 1), p_queue), nullif(split_part(p_queue, '.', 2), ''))
-    ON CONFLICT (name) DO NOTHING
+    INSERT INTO queen.queues (tenant, name, namespace, task)
+    VALUES (p_tenant, p_queue, nullif(split_part(p_queue, '.', 1), p_queue), nullif(split_part(p_queue, '.', 2), ''))
+    ON CONFLICT (tenant, name) DO NOTHING
     RETURNING id INTO v_id;
     IF v_id IS NULL THEN
-        SELECT id INTO v_id FROM queen.queues WHERE name = p_queue;
+        SELECT id INTO v_id FROM queen.queues WHERE tenant = p_tenant AND name = p_queue;
     END IF;
     RETURN v_id;
 END
 $$;
 
--- The partition's id, created on first use, locked for appending until
--- the caller's transaction ends (see queen.messages.seq).
-CREATE FUNCTION queen.lock_partition(p_queue text, p_partition text DEFAULT 'Default')
+-- The partition's id (of the tenant's queue), created on first use,
+-- locked for appending until the caller's transaction ends (see
+-- queen.messages.seq).
+CREATE FUNCTION queen.lock_partition(p_tenant text, p_queue text, p_partition text DEFAULT 'Default')
 RETURNS uuid
 LANGUAGE plpgsql AS $$
 DECLARE
-    v_queue_id uuid := queen.ensure_queue(p_queue);
+    v_queue_id uuid := queen.ensure_queue(p_tenant, p_queue);
     v_id uuid;
 BEGIN
     SELECT id INTO v_id FROM queen.partitions

@@ -130,6 +130,31 @@ LANGUAGE sql STABLE AS $$
     SELECT p_lease_until IS NOT NULL AND p_lease_until > coalesce(p_now, now())
 $$;
 
+-- The documented limits on names, in UTF-8 bytes: queue 255, timerKey
+-- 1024, txn 255, partition 255 (README "Limits"; the HTTP shell checks
+-- the same numbers first). NULL when every given name is within its
+-- limit, else the reason. A timerKey of megabytes would otherwise fail
+-- as "index row too large", a capacity error that says "retry".
+-- delete_unclaimed_timer repeats the queue/timerKey numbers inline.
+CREATE FUNCTION queen.timer_name_problem(
+    p_queue     text,
+    p_timer_key text DEFAULT NULL,
+    p_txn       text DEFAULT NULL,
+    p_partition text DEFAULT NULL)
+RETURNS text
+LANGUAGE sql IMMUTABLE AS $$
+    SELECT CASE
+             WHEN octet_length(p_queue) > 255
+               THEN format('queue is %s bytes; at most 255 (UTF-8)', octet_length(p_queue))
+             WHEN octet_length(p_timer_key) > 1024
+               THEN format('timerKey is %s bytes; at most 1024 (UTF-8)', octet_length(p_timer_key))
+             WHEN octet_length(p_txn) > 255
+               THEN format('txn is %s bytes; at most 255 (UTF-8)', octet_length(p_txn))
+             WHEN octet_length(p_partition) > 255
+               THEN format('partition is %s bytes; at most 255 (UTF-8)', octet_length(p_partition))
+           END
+$$;
+
 -- Internal: delete one timer unless a broker holds it, without touching
 -- the tenant's counters (schedule_timers meters a whole batch at once,
 -- after its row locks, so two batches cannot deadlock on the counter row).
@@ -150,6 +175,10 @@ BEGIN
     IF p_queue IS NULL OR p_queue = '' OR p_timer_key IS NULL OR p_timer_key = '' THEN
         RAISE EXCEPTION 'timers_bad_request'
             USING ERRCODE = 'QTBAD', DETAIL = 'queue and timerKey are required';
+    END IF;
+    IF octet_length(p_queue) > 255 OR octet_length(p_timer_key) > 1024 THEN
+        RAISE EXCEPTION 'timers_bad_request'
+            USING ERRCODE = 'QTBAD', DETAIL = queen.timer_name_problem(p_queue, p_timer_key);
     END IF;
     SELECT lease_until INTO v_lease
       FROM queen.timers
@@ -301,6 +330,9 @@ BEGIN
                THEN format('operation %s: payload is required', n)
              WHEN o.partition = ''
                THEN format('operation %s: partition may not be empty', n)
+             WHEN queen.timer_name_problem(o.queue, o.timer_key, o.txn, o.partition) IS NOT NULL
+               THEN format('operation %s: %s', n,
+                           queen.timer_name_problem(o.queue, o.timer_key, o.txn, o.partition))
            END
       INTO v_msg
       FROM unnest(p_ops) WITH ORDINALITY AS o(op, queue, timer_key, delay_ms, txn, payload,
@@ -310,6 +342,7 @@ BEGIN
         OR (o.op <> 'cancel' AND (o.delay_ms IS NULL OR o.payload IS NULL))
         OR (o.op = 'schedule' AND (o.txn IS NULL OR o.txn = ''))
         OR o.partition = ''
+        OR queen.timer_name_problem(o.queue, o.timer_key, o.txn, o.partition) IS NOT NULL
      ORDER BY n LIMIT 1;
     IF v_msg IS NOT NULL THEN
         RAISE EXCEPTION 'timers_bad_request' USING ERRCODE = 'QTBAD', DETAIL = v_msg;
@@ -443,24 +476,34 @@ END
 $$;
 
 -- One timer as peek shows it; no row when there is none (for this tenant).
--- Key columns are handed out with the declared (default) collation: an
--- inlined SQL function would otherwise leak the column's "C" collation.
+-- A queue or timerKey over its limit is QTBAD, not a miss.
+-- Key columns are handed out with the declared (default) collation, so
+-- that the column's "C" collation never leaks into a caller's query.
 CREATE FUNCTION queen.peek_timer(
     p_tenant    text,
     p_queue     text,
     p_timer_key text,
     p_now       timestamptz DEFAULT NULL)
 RETURNS SETOF queen.timer_view
-LANGUAGE sql STABLE AS $$
-    SELECT tenant, queue, timer_key COLLATE "default", partition, deliver_at, txn, message_id, payload, payload_zstd,
-           encrypted, producer_sub, attempts, last_error,
-           queen.timer_is_claimed(lease_until, coalesce(p_now, now())), created_at, updated_at
-      FROM queen.timers
-     WHERE tenant = p_tenant AND queue = p_queue AND timer_key = p_timer_key
+LANGUAGE plpgsql STABLE AS $$
+DECLARE
+    v_problem text := queen.timer_name_problem(p_queue, p_timer_key);
+BEGIN
+    IF v_problem IS NOT NULL THEN
+        RAISE EXCEPTION 'timers_bad_request' USING ERRCODE = 'QTBAD', DETAIL = v_problem;
+    END IF;
+    RETURN QUERY
+    SELECT t.tenant, t.queue, t.timer_key COLLATE "default", t.partition, t.deliver_at, t.txn, t.message_id,
+           t.payload, t.payload_zstd, t.encrypted, t.producer_sub, t.attempts, t.last_error,
+           queen.timer_is_claimed(t.lease_until, coalesce(p_now, now())), t.created_at, t.updated_at
+      FROM queen.timers t
+     WHERE t.tenant = p_tenant AND t.queue = p_queue AND t.timer_key = p_timer_key;
+END
 $$;
 
 -- A keyset page of one queue's pending timers, without payloads.
 -- p_after is exclusive; p_limit is clamped to 1..1000 (default 100).
+-- A queue, or a p_after (a timerKey), over its limit is QTBAD.
 -- truncated and next_after repeat on every row of the page (an empty
 -- page is never truncated).
 CREATE FUNCTION queen.list_timers(
@@ -485,7 +528,18 @@ RETURNS TABLE (
     updated_at   timestamptz,
     truncated    boolean,
     next_after   text)
-LANGUAGE sql STABLE AS $$
+LANGUAGE plpgsql STABLE AS $$
+#variable_conflict use_column
+DECLARE
+    v_problem text := coalesce(
+        queen.timer_name_problem(p_queue),
+        CASE WHEN octet_length(p_after) > 1024
+             THEN format('after is %s bytes; at most 1024, a timerKey (UTF-8)', octet_length(p_after)) END);
+BEGIN
+    IF v_problem IS NOT NULL THEN
+        RAISE EXCEPTION 'timers_bad_request' USING ERRCODE = 'QTBAD', DETAIL = v_problem;
+    END IF;
+    RETURN QUERY
     WITH lim AS (
         SELECT least(greatest(coalesce(p_limit, 100), 1), 1000) AS n
     ), page AS (
@@ -506,5 +560,6 @@ LANGUAGE sql STABLE AS $$
            f.truncated, CASE WHEN f.truncated THEN f.last_key END COLLATE "default"
       FROM page p, flags f
      WHERE p.rn <= (SELECT n FROM lim)
-     ORDER BY p.timer_key COLLATE "C"
+     ORDER BY p.timer_key COLLATE "C";
+END
 $$;

@@ -88,7 +88,8 @@ $$;
 -- 400 ms). fire_due_timers joins no array and keeps its cached plan.
 
 -- Append the frames of deleted timer rows to the log, in expiry order,
--- and keep the tenants' pending counters. Internal to the fire.
+-- and keep the tenants' pending counters. Internal to the fire. A frame
+-- goes into the queue of its timer's tenant.
 CREATE FUNCTION queen.append_timer_frames(p_rows queen.timers[], p_frames queen.fire_frame[] DEFAULT NULL)
 RETURNS SETOF queen.fire_result
 LANGUAGE plpgsql SET plan_cache_mode = force_custom_plan AS $$
@@ -96,8 +97,8 @@ DECLARE
     v_fired_at timestamptz := clock_timestamp();
 BEGIN
     -- Lock every destination partition, in a fixed order, before appending.
-    PERFORM queen.lock_partition(d.queue, d.partition)
-       FROM (SELECT DISTINCT r.queue, r.partition FROM unnest(p_rows) r ORDER BY 1, 2) d;
+    PERFORM queen.lock_partition(d.tenant, d.queue, d.partition)
+       FROM (SELECT DISTINCT r.tenant, r.queue, r.partition FROM unnest(p_rows) r ORDER BY 1, 2, 3) d;
 
     -- Counter rows in tenant order: two fires never wait on each other crosswise.
     PERFORM queen.bump_tenant_usage(g.tenant, -g.n, 0)
@@ -107,7 +108,7 @@ BEGIN
     WITH src AS (
         SELECT r.*, coalesce(f.payload, r.payload) AS frame_payload, p.id AS partition_id
           FROM unnest(p_rows) r
-          JOIN queen.queues q ON q.name = r.queue
+          JOIN queen.queues q ON q.tenant = r.tenant AND q.name = r.queue
           JOIN queen.partitions p ON p.queue_id = q.id AND p.name = r.partition
           LEFT JOIN (SELECT DISTINCT ON (x.tenant, x.queue, x.timer_key) x.*
                        FROM unnest(p_frames) x) f
@@ -251,13 +252,15 @@ BEGIN
              WHERE t.tenant = d.tenant AND t.queue = d.queue AND t.timer_key = d.timer_key
             RETURNING t.*
         ), parts AS (
-            -- every destination partition locked, in a fixed order, before a row
-            -- joined to it can be appended (see queen.messages.seq)
-            SELECT x.queue, x.partition, queen.lock_partition(x.queue, x.partition) AS partition_id
-              FROM (SELECT DISTINCT g.queue, g.partition FROM gone g ORDER BY 1, 2) x
+            -- every destination partition (of the timer's tenant's queue) locked,
+            -- in a fixed order, before a row joined to it can be appended (see
+            -- queen.messages.seq)
+            SELECT x.tenant, x.queue, x.partition,
+                   queen.lock_partition(x.tenant, x.queue, x.partition) AS partition_id
+              FROM (SELECT DISTINCT g.tenant, g.queue, g.partition FROM gone g ORDER BY 1, 2, 3) x
         ), src AS (
             SELECT g.*, p.partition_id
-              FROM gone g JOIN parts p ON p.queue = g.queue AND p.partition = g.partition
+              FROM gone g JOIN parts p ON p.tenant = g.tenant AND p.queue = g.queue AND p.partition = g.partition
         ), ins AS (
             INSERT INTO queen.messages (id, transaction_id, partition_id, payload, is_encrypted, producer_sub)
             SELECT s.message_id, s.txn, s.partition_id, s.payload, s.encrypted, s.producer_sub
@@ -305,7 +308,8 @@ $$;
 -- backs off exponentially (p_backoff_ms * 2^(failures-1), at most
 -- p_backoff_max_ms). Only 'permanent' and 'config' failures spend the
 -- attempt budget; 'transient' ones cost nothing. When attempts reach
--- p_max_attempts the timer moves to its queue's DLQ under the group
+-- p_max_attempts the timer moves to its queue's DLQ (the queue of the
+-- timer's tenant) under the group
 -- '__QUEEN_TIMERS__'. Returns backoff | dead_lettered | lost.
 CREATE FUNCTION queen.fail_timer(
     p_tenant         text,
@@ -343,7 +347,7 @@ BEGIN
     IF v_spend AND r.attempts + 1 >= p_max_attempts THEN
         DELETE FROM queen.timers
          WHERE tenant = p_tenant AND queue = p_queue AND timer_key = p_timer_key;
-        v_part := queen.lock_partition(r.queue, r.partition);
+        v_part := queen.lock_partition(r.tenant, r.queue, r.partition);
         INSERT INTO queen.dead_letter_queue
                (message_id, partition_id, consumer_group, transaction_id, payload, is_encrypted,
                 payload_zstd, producer_sub, error_message, retry_count, original_created_at, failed_at,
@@ -370,19 +374,25 @@ BEGIN
 END
 $$;
 
--- Replay a DLQ row into its partition as a new frame (new message id,
--- transaction id '<original>#replay-<dlq id>'), deleting the DLQ row.
+-- Replay one of the tenant's DLQ rows into its partition as a new frame
+-- (new message id, transaction id '<original>#replay-<dlq id>'), deleting
+-- the DLQ row. Another tenant's row is not found (QTNFD), like an unknown id.
 -- A timer's dead letter is refused with QTRPL: its frame never had a
 -- consumer group, and republishing it into a phantom group has no
 -- defined meaning.
-CREATE FUNCTION queen.replay_dlq_entry(p_dlq_id uuid)
+CREATE FUNCTION queen.replay_dlq_entry(p_tenant text, p_dlq_id uuid)
 RETURNS uuid
 LANGUAGE plpgsql AS $$
 DECLARE
     d      queen.dead_letter_queue;
     v_id   uuid := queen.uuid_v7();
 BEGIN
-    SELECT * INTO d FROM queen.dead_letter_queue WHERE id = p_dlq_id FOR UPDATE;
+    SELECT dl.* INTO d
+      FROM queen.dead_letter_queue dl
+      JOIN queen.partitions p ON p.id = dl.partition_id
+      JOIN queen.queues q ON q.id = p.queue_id
+     WHERE dl.id = p_dlq_id AND q.tenant = p_tenant
+       FOR UPDATE OF dl;
     IF NOT FOUND THEN
         RAISE EXCEPTION 'not_found' USING ERRCODE = 'QTNFD', DETAIL = format('no DLQ entry %s', p_dlq_id);
     END IF;

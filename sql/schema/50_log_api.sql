@@ -1,7 +1,14 @@
 -- =====================================================================
 -- Part 50: the log API behind Queen's routes (configure, push, pop,
--- ack, message detail, DLQ list). Shapes follow Queen MQ; the cursor is
--- messages.seq (append order inside a partition, see 20_log.sql).
+-- ack, message detail, DLQ list, transaction, lease extension). Shapes
+-- follow Queen MQ; the cursor is messages.seq (append order inside a
+-- partition, see 20_log.sql).
+--
+-- Every function takes the caller's tenant first: a queue is the
+-- tenant's (queen.queues.tenant), and another tenant's queue, partition,
+-- message, lease or dead letter is invisible (not found, nothing to pop).
+-- Queue and partition names and transaction ids are at most 255 bytes
+-- of UTF-8 (queen.log_name_fits); a longer one raises QTBAD.
 --
 -- Consumer state per (partition, consumer group) lives in
 -- queen.partition_consumers: last_consumed_seq is the cursor, and
@@ -117,6 +124,49 @@ CREATE TYPE queen.dlq_entry AS (
     failed_at       timestamptz
 );
 
+-- One operation of POST /api/v1/transaction, flattened: each pushed item
+-- and each ack is one. Build them with queen.txn_push / queen.txn_ack.
+CREATE TYPE queen.txn_op AS (
+    type            text,       -- push | ack
+    queue           text,       -- push
+    partition       text,       -- push; NULL: 'Default'
+    transaction_id  text,       -- push: NULL or '' generated; ack: required
+    trace_id        uuid,       -- push
+    payload         bytea,      -- push: the bytes to store
+    is_encrypted    boolean,    -- push
+    partition_id    uuid,       -- ack
+    status          text,       -- ack: completed (default) | success | failed | dlq | retry
+    error           text,       -- ack
+    lease_id        text,       -- ack: checked when non-empty (else the bundle's one required lease)
+    consumer_group  text        -- ack: NULL or '': '__QUEUE_MODE__'
+);
+
+-- One verdict per operation of a transaction, in input order.
+CREATE TYPE queen.txn_result AS (
+    idx             integer,    -- 0-based position among the flattened operations
+    type            text,       -- push | ack
+    success         boolean,
+    status          text,       -- push: queued | duplicate
+    transaction_id  text,
+    message_id      uuid,       -- push
+    partition_id    uuid,
+    queue_name      text,
+    partition_name  text,
+    error           text,       -- ack: NULL | 'Message not found' | 'Invalid or expired lease'
+    lease_released  boolean,
+    dlq             boolean
+);
+
+-- What a transaction did: everything (success) or nothing (failed_index
+-- names the operation that failed; results is empty).
+CREATE TYPE queen.txn_outcome AS (
+    transaction_id  uuid,
+    success         boolean,
+    error           text,
+    failed_index    integer,
+    results         queen.txn_result[]
+);
+
 -- ---------------------------------------------------------------------
 -- Functions
 -- ---------------------------------------------------------------------
@@ -135,10 +185,12 @@ LANGUAGE sql IMMUTABLE AS $$
         'maxWaitTimeSeconds', q.max_wait_time_seconds)
 $$;
 
--- Create or overwrite a queue by name (Queen's configure): every option
--- is set, a missing one back to its default; unknown keys are dropped.
--- Ensures the 'Default' partition. Bad option types raise QTBAD.
+-- Create or overwrite the tenant's queue by name (Queen's configure):
+-- every option is set, a missing one back to its default; unknown keys
+-- are dropped. Ensures the 'Default' partition. Bad option types raise
+-- QTBAD.
 CREATE FUNCTION queen.configure_queue(
+    p_tenant    text,
     p_queue     text,
     p_namespace text  DEFAULT NULL,
     p_task      text  DEFAULT NULL,
@@ -152,8 +204,15 @@ DECLARE
     v_part uuid;
     v_key  text;
 BEGIN
+    IF p_tenant IS NULL OR p_tenant = '' THEN
+        RAISE EXCEPTION 'timers_bad_request' USING ERRCODE = 'QTBAD', DETAIL = 'tenant is required';
+    END IF;
     IF p_queue IS NULL OR p_queue = '' THEN
         RAISE EXCEPTION 'timers_bad_request' USING ERRCODE = 'QTBAD', DETAIL = 'queue is required';
+    END IF;
+    IF NOT queen.log_name_fits(p_queue) THEN
+        RAISE EXCEPTION 'timers_bad_request' USING ERRCODE = 'QTBAD',
+            DETAIL = format('queue is %s bytes; at most 255', octet_length(p_queue));
     END IF;
     IF jsonb_typeof(o) <> 'object' THEN
         RAISE EXCEPTION 'timers_bad_request' USING ERRCODE = 'QTBAD', DETAIL = 'options must be an object';
@@ -178,11 +237,11 @@ BEGIN
     o := jsonb_strip_nulls(o);
 
     INSERT INTO queen.queues AS t
-           (name, namespace, task, lease_time, retry_limit, retry_delay, max_size, ttl, priority,
+           (tenant, name, namespace, task, lease_time, retry_limit, retry_delay, max_size, ttl, priority,
             delayed_processing, window_buffer, retention_seconds, completed_retention_seconds,
             retention_enabled, encryption_enabled, dead_letter_queue, dlq_after_max_retries,
             max_wait_time_seconds)
-    VALUES (p_queue, p_namespace, p_task,
+    VALUES (p_tenant, p_queue, p_namespace, p_task,
             coalesce((o->>'leaseTime')::integer, 300),
             coalesce((o->>'retryLimit')::integer, 3),
             coalesce((o->>'retryDelay')::integer, 1000),
@@ -198,7 +257,7 @@ BEGIN
             coalesce((o->>'deadLetterQueue')::boolean, false),
             coalesce((o->>'dlqAfterMaxRetries')::boolean, false),
             coalesce((o->>'maxWaitTimeSeconds')::integer, 0))
-    ON CONFLICT (name) DO UPDATE
+    ON CONFLICT (tenant, name) DO UPDATE
        SET namespace = EXCLUDED.namespace, task = EXCLUDED.task,
            lease_time = EXCLUDED.lease_time, retry_limit = EXCLUDED.retry_limit,
            retry_delay = EXCLUDED.retry_delay, max_size = EXCLUDED.max_size, ttl = EXCLUDED.ttl,
@@ -221,19 +280,23 @@ BEGIN
 END
 $$;
 
--- The names among p_queues whose queue encrypts at rest (push asks
--- before building payloads: the broker holds the key, not PostgreSQL).
-CREATE FUNCTION queen.encrypted_queues(p_queues text[])
+-- The names among p_queues whose queue (the tenant's) encrypts at rest
+-- (push and schedule ask before building payloads: the broker holds the
+-- key, not PostgreSQL).
+CREATE FUNCTION queen.encrypted_queues(p_tenant text, p_queues text[])
 RETURNS SETOF text
 LANGUAGE sql STABLE AS $$
-    SELECT q.name FROM queen.queues q WHERE q.name = ANY (p_queues) AND q.encryption_enabled
+    SELECT q.name FROM queen.queues q
+     WHERE q.tenant = p_tenant AND q.name = ANY (p_queues) AND q.encryption_enabled
 $$;
 
--- Append a batch to the log, one verdict per item in input order. A
--- transaction id already in the partition (or earlier in the batch) is
--- 'duplicate' with the existing message id, never an error. Destination
--- partitions are locked first, in (queue, partition) order, as the fire does.
+-- Append a batch to the tenant's queues (created on first use), one
+-- verdict per item in input order. A transaction id already in the
+-- partition (or earlier in the batch) is 'duplicate' with the existing
+-- message id, never an error. Destination partitions are locked first,
+-- in (queue, partition) order, as the fire does.
 CREATE FUNCTION queen.push_messages(
+    p_tenant       text,
     p_items        queen.push_item[],
     p_producer_sub text DEFAULT NULL)
 RETURNS SETOF queen.push_result
@@ -246,22 +309,32 @@ DECLARE
     v_id     uuid;
     v_txn    text;
 BEGIN
+    IF p_tenant IS NULL OR p_tenant = '' THEN
+        RAISE EXCEPTION 'timers_bad_request' USING ERRCODE = 'QTBAD', DETAIL = 'tenant is required';
+    END IF;
     IF p_items IS NULL OR cardinality(p_items) = 0 THEN
         RETURN;
     END IF;
     SELECT CASE
              WHEN x.queue IS NULL OR x.queue = '' THEN format('items[%s]: queue is required', x.n - 1)
              WHEN x.partition = '' THEN format('items[%s]: partition may not be empty', x.n - 1)
-             ELSE format('items[%s]: payload is required', x.n - 1)
+             WHEN x.payload IS NULL THEN format('items[%s]: payload is required', x.n - 1)
+             WHEN NOT queen.log_name_fits(x.queue)
+               THEN format('items[%s]: queue is %s bytes; at most 255', x.n - 1, octet_length(x.queue))
+             WHEN NOT queen.log_name_fits(x.partition)
+               THEN format('items[%s]: partition is %s bytes; at most 255', x.n - 1, octet_length(x.partition))
+             ELSE format('items[%s]: transactionId is %s bytes; at most 255', x.n - 1, octet_length(x.transaction_id))
            END INTO v_msg
       FROM unnest(p_items) WITH ORDINALITY AS x(queue, partition, transaction_id, trace_id, payload, is_encrypted, n)
      WHERE x.queue IS NULL OR x.queue = '' OR x.partition = '' OR x.payload IS NULL
+        OR NOT (queen.log_name_fits(x.queue) AND queen.log_name_fits(x.partition)
+                AND queen.log_name_fits(x.transaction_id))
      ORDER BY x.n LIMIT 1;
     IF v_msg IS NOT NULL THEN
         RAISE EXCEPTION 'timers_bad_request' USING ERRCODE = 'QTBAD', DETAIL = v_msg;
     END IF;
 
-    PERFORM queen.lock_partition(d.queue, d.partition)
+    PERFORM queen.lock_partition(p_tenant, d.queue, d.partition)
        FROM (SELECT DISTINCT x.queue, coalesce(x.partition, 'Default') AS partition
                FROM unnest(p_items) x ORDER BY 1, 2) d;
 
@@ -270,7 +343,7 @@ BEGIN
           FROM unnest(p_items) WITH ORDINALITY AS x(queue, partition, transaction_id, trace_id, payload, is_encrypted, n)
          ORDER BY x.n
     LOOP
-        v_part := queen.lock_partition(it.queue, coalesce(it.partition, 'Default'));  -- already held: a lookup
+        v_part := queen.lock_partition(p_tenant, it.queue, coalesce(it.partition, 'Default'));  -- already held: a lookup
         v_txn := coalesce(nullif(it.transaction_id, ''), gen_random_uuid()::text);
         v_id := queen.uuid_v7();
         INSERT INTO queen.messages (id, transaction_id, trace_id, partition_id, payload, is_encrypted, producer_sub)
@@ -287,12 +360,14 @@ BEGIN
 END
 $$;
 
--- Lease one partition of p_queue for a consumer group and hand out up to
+-- Lease one partition of the tenant's p_queue (nothing when the tenant
+-- has no such queue) for a consumer group and hand out up to
 -- p_batch messages after its cursor, in seq order. p_partition NULL: any
 -- partition with available messages, least recently served first.
 -- Partitions whose lease is unexpired, or whose consumer row another pop
 -- holds (SKIP LOCKED), are passed over. p_auto_ack moves the cursor now.
 CREATE FUNCTION queen.pop_messages(
+    p_tenant         text,
     p_queue          text,
     p_partition      text        DEFAULT NULL,
     p_consumer_group text        DEFAULT '__QUEUE_MODE__',
@@ -313,7 +388,11 @@ DECLARE
     v_last    bigint;
     v_n       integer;
 BEGIN
-    SELECT * INTO q FROM queen.queues WHERE name = p_queue;
+    IF NOT (queen.log_name_fits(p_queue) AND queen.log_name_fits(p_partition)) THEN
+        RAISE EXCEPTION 'timers_bad_request' USING ERRCODE = 'QTBAD',
+            DETAIL = 'queue and partition names are at most 255 bytes';
+    END IF;
+    SELECT * INTO q FROM queen.queues WHERE tenant = p_tenant AND name = p_queue;
     IF NOT FOUND THEN
         RETURN;
     END IF;
@@ -378,9 +457,12 @@ $$;
 -- retry_limit, then dead-letters the message and moves past it; dlq
 -- dead-letters at once; retry only releases the lease. A message at or
 -- behind the cursor is already consumed: acking it again changes nothing.
+-- A partition of another tenant's queue holds no message for this one:
+-- 'Message not found', and nothing is written.
 CREATE FUNCTION queen.ack_messages(
-    p_acks queen.ack_item[],
-    p_now  timestamptz DEFAULT NULL)
+    p_tenant text,
+    p_acks   queen.ack_item[],
+    p_now    timestamptz DEFAULT NULL)
 RETURNS SETOF queen.ack_result
 LANGUAGE plpgsql AS $$
 DECLARE
@@ -401,10 +483,14 @@ BEGIN
     SELECT CASE
              WHEN x.transaction_id IS NULL OR x.transaction_id = '' THEN format('acknowledgments[%s]: transactionId is required', x.n - 1)
              WHEN x.partition_id IS NULL THEN format('acknowledgments[%s]: partitionId is required', x.n - 1)
+             WHEN NOT queen.log_name_fits(x.transaction_id)
+               THEN format('acknowledgments[%s]: transactionId is %s bytes; at most 255', x.n - 1,
+                           octet_length(x.transaction_id))
              ELSE format('acknowledgments[%s]: unknown status %L', x.n - 1, x.status)
            END INTO v_msg
       FROM unnest(p_acks) WITH ORDINALITY AS x(transaction_id, partition_id, status, error, lease_id, consumer_group, n)
      WHERE x.transaction_id IS NULL OR x.transaction_id = '' OR x.partition_id IS NULL
+        OR NOT queen.log_name_fits(x.transaction_id)
         OR (x.status IS NOT NULL AND x.status NOT IN ('completed', 'success', 'failed', 'dlq', 'retry'))
      ORDER BY x.n LIMIT 1;
     IF v_msg IS NOT NULL THEN
@@ -420,9 +506,10 @@ BEGIN
                m.id AS message_id, m.seq, m.payload, m.is_encrypted, m.producer_sub, m.created_at,
                p.name AS partition_name, q.name AS queue_name, q.retry_limit
           FROM unnest(p_acks) WITH ORDINALITY AS x(transaction_id, partition_id, status, error, lease_id, consumer_group, n)
-          LEFT JOIN queen.messages m ON m.partition_id = x.partition_id AND m.transaction_id = x.transaction_id
-          LEFT JOIN queen.partitions p ON p.id = m.partition_id
-          LEFT JOIN queen.queues q ON q.id = p.queue_id
+          LEFT JOIN (queen.messages m
+                     JOIN queen.partitions p ON p.id = m.partition_id
+                     JOIN queen.queues q ON q.id = p.queue_id AND q.tenant = p_tenant)
+                 ON m.partition_id = x.partition_id AND m.transaction_id = x.transaction_id
          ORDER BY x.partition_id, 6, m.seq NULLS LAST, x.n
     LOOP
         r := ROW(a.idx, a.transaction_id, false, NULL, a.queue_name, a.partition_name, false, false);
@@ -499,13 +586,21 @@ $$;
 
 -- One message by partition id and transaction id, with its status
 -- derived from the DLQ, the consumer cursors and the leases (Queen's
--- get_message_v1). No row when there is no such message.
+-- get_message_v1). No row when there is no such message in the tenant's
+-- queues.
 CREATE FUNCTION queen.get_message(
+    p_tenant         text,
     p_partition_id   uuid,
     p_transaction_id text,
     p_now            timestamptz DEFAULT NULL)
 RETURNS SETOF queen.message_detail
-LANGUAGE sql STABLE AS $$
+LANGUAGE plpgsql STABLE AS $$
+BEGIN
+    IF NOT queen.log_name_fits(p_transaction_id) THEN
+        RAISE EXCEPTION 'timers_bad_request' USING ERRCODE = 'QTBAD',
+            DETAIL = format('transactionId is %s bytes; at most 255', octet_length(p_transaction_id));
+    END IF;
+    RETURN QUERY
     WITH m AS (
         SELECT m.*, p.name AS partition_name, q.name AS queue_name, q.namespace, q.task,
                jsonb_build_object('leaseTime', q.lease_time, 'retryLimit', q.retry_limit,
@@ -514,6 +609,7 @@ LANGUAGE sql STABLE AS $$
           JOIN queen.partitions p ON p.id = m.partition_id
           JOIN queen.queues q ON q.id = p.queue_id
          WHERE m.partition_id = p_partition_id AND m.transaction_id = p_transaction_id
+           AND q.tenant = p_tenant
     ), g AS (
         SELECT pc.*,
                pc.last_consumed_seq >= m.seq AS consumed,
@@ -557,42 +653,277 @@ LANGUAGE sql STABLE AS $$
                             WHEN agg.bus_groups > 0 THEN 'bus'
                             ELSE 'none' END),
            agg.groups
-      FROM m CROSS JOIN agg
+      FROM m CROSS JOIN agg;
+END
 $$;
 
--- A page of a queue's dead letters, newest first. p_queue NULL: every
--- queue; p_consumer_group NULL: every group (timer dead letters are
--- under '__QUEEN_TIMERS__'). p_limit is clamped to 1..1000 (default 100).
+-- A page of the tenant's dead letters, newest first. p_queue NULL:
+-- every queue of the tenant; p_consumer_group NULL: every group (timer
+-- dead letters are under '__QUEEN_TIMERS__'). p_limit is clamped to
+-- 1..1000 (default 100).
 CREATE FUNCTION queen.list_dlq(
+    p_tenant         text,
     p_queue          text    DEFAULT NULL,
     p_consumer_group text    DEFAULT NULL,
     p_limit          integer DEFAULT 100,
     p_offset         integer DEFAULT 0)
 RETURNS SETOF queen.dlq_entry
-LANGUAGE sql STABLE AS $$
+LANGUAGE plpgsql STABLE AS $$
+BEGIN
+    IF NOT queen.log_name_fits(p_queue) THEN
+        RAISE EXCEPTION 'timers_bad_request' USING ERRCODE = 'QTBAD',
+            DETAIL = format('queue is %s bytes; at most 255', octet_length(p_queue));
+    END IF;
+    RETURN QUERY
     SELECT d.id, d.message_id, d.transaction_id, d.partition_id, q.name, p.name, d.consumer_group,
            d.error_message, d.retry_count, d.payload, d.is_encrypted, d.payload_zstd, d.producer_sub,
            d.original_created_at, d.failed_at
       FROM queen.dead_letter_queue d
       JOIN queen.partitions p ON p.id = d.partition_id
       JOIN queen.queues q ON q.id = p.queue_id
-     WHERE (p_queue IS NULL OR q.name = p_queue)
+     WHERE q.tenant = p_tenant
+       AND (p_queue IS NULL OR q.name = p_queue)
        AND (p_consumer_group IS NULL OR d.consumer_group = p_consumer_group)
      ORDER BY d.failed_at DESC, d.id DESC
      LIMIT least(greatest(coalesce(p_limit, 100), 1), 1000)
-    OFFSET greatest(coalesce(p_offset, 0), 0)
+    OFFSET greatest(coalesce(p_offset, 0), 0);
+END
 $$;
 
--- How many dead letters list_dlq pages over (its `total`).
+-- How many of the tenant's dead letters list_dlq pages over (its `total`).
 CREATE FUNCTION queen.count_dlq(
+    p_tenant         text,
     p_queue          text DEFAULT NULL,
     p_consumer_group text DEFAULT NULL)
 RETURNS bigint
-LANGUAGE sql STABLE AS $$
-    SELECT count(*)
-      FROM queen.dead_letter_queue d
-      JOIN queen.partitions p ON p.id = d.partition_id
-      JOIN queen.queues q ON q.id = p.queue_id
-     WHERE (p_queue IS NULL OR q.name = p_queue)
-       AND (p_consumer_group IS NULL OR d.consumer_group = p_consumer_group)
+LANGUAGE plpgsql STABLE AS $$
+BEGIN
+    IF NOT queen.log_name_fits(p_queue) THEN
+        RAISE EXCEPTION 'timers_bad_request' USING ERRCODE = 'QTBAD',
+            DETAIL = format('queue is %s bytes; at most 255', octet_length(p_queue));
+    END IF;
+    RETURN (SELECT count(*)
+              FROM queen.dead_letter_queue d
+              JOIN queen.partitions p ON p.id = d.partition_id
+              JOIN queen.queues q ON q.id = p.queue_id
+             WHERE q.tenant = p_tenant
+               AND (p_queue IS NULL OR q.name = p_queue)
+               AND (p_consumer_group IS NULL OR d.consumer_group = p_consumer_group));
+END
+$$;
+
+-- A push operation of a transaction (psql: queen.txn_push('q', '{"a":1}')).
+CREATE FUNCTION queen.txn_push(
+    p_queue          text,
+    p_payload        bytea,
+    p_transaction_id text    DEFAULT NULL,
+    p_partition      text    DEFAULT NULL,
+    p_trace_id       uuid    DEFAULT NULL,
+    p_is_encrypted   boolean DEFAULT false)
+RETURNS queen.txn_op
+LANGUAGE sql IMMUTABLE AS $$
+    SELECT ROW('push', p_queue, p_partition, p_transaction_id, p_trace_id, p_payload, p_is_encrypted,
+               NULL, NULL, NULL, NULL, NULL)::queen.txn_op
+$$;
+
+-- An ack operation of a transaction.
+CREATE FUNCTION queen.txn_ack(
+    p_transaction_id text,
+    p_partition_id   uuid,
+    p_status         text DEFAULT 'completed',
+    p_lease_id       text DEFAULT NULL,
+    p_consumer_group text DEFAULT NULL,
+    p_error          text DEFAULT NULL)
+RETURNS queen.txn_op
+LANGUAGE sql IMMUTABLE AS $$
+    SELECT ROW('ack', NULL, NULL, p_transaction_id, NULL, NULL, NULL, p_partition_id, p_status, p_error,
+               p_lease_id, p_consumer_group)::queen.txn_op
+$$;
+
+-- Queen's transaction: pushes and acks, in order, all or nothing, in the
+-- tenant's queues. Each push is push_messages' (a transaction id already
+-- in the partition is 'duplicate', which makes a retried transaction
+-- idempotent); each ack is ack_messages', and an ack that does not
+-- succeed ('Message not found', 'Invalid or expired lease') undoes every
+-- operation before it: the outcome is success = false with failed_index
+-- and an empty results, and nothing is written (the function raises
+-- SQLSTATE QTTXF inside its own block and catches it: it never escapes,
+-- so it has no HTTP mapping). Every lease in
+-- p_required_leases must be held (unexpired) on one of the tenant's
+-- partitions, else nothing is done either; an ack without its own lease
+-- borrows the one required lease when exactly one is named. Push
+-- partitions are locked first, in (queue, partition) order. Shape errors
+-- raise QTBAD.
+CREATE FUNCTION queen.execute_transaction(
+    p_tenant          text,
+    p_ops             queen.txn_op[],
+    p_required_leases text[]      DEFAULT NULL,
+    p_producer_sub    text        DEFAULT NULL,
+    p_now             timestamptz DEFAULT NULL)
+RETURNS queen.txn_outcome
+LANGUAGE plpgsql AS $$
+DECLARE
+    v_now    timestamptz := coalesce(p_now, now());
+    v_id     uuid := gen_random_uuid();
+    v_out    queen.txn_result[] := '{}';
+    v_msg    text;
+    v_lease  text;
+    v_failed integer;
+    o        record;
+    pr       queen.push_result;
+    ar       queen.ack_result;
+BEGIN
+    IF p_tenant IS NULL OR p_tenant = '' THEN
+        RAISE EXCEPTION 'timers_bad_request' USING ERRCODE = 'QTBAD', DETAIL = 'tenant is required';
+    END IF;
+    IF p_ops IS NULL OR cardinality(p_ops) = 0 THEN
+        RAISE EXCEPTION 'timers_bad_request' USING ERRCODE = 'QTBAD', DETAIL = 'the transaction has no operations';
+    END IF;
+    SELECT CASE
+             WHEN x.type IS NULL OR x.type NOT IN ('push', 'ack')
+               THEN format('operation %s: unknown type %L', x.n - 1, x.type)
+             WHEN x.type = 'push' AND (x.queue IS NULL OR x.queue = '')
+               THEN format('operation %s: queue is required', x.n - 1)
+             WHEN x.type = 'push' AND x.partition = ''
+               THEN format('operation %s: partition may not be empty', x.n - 1)
+             WHEN x.type = 'push' AND x.payload IS NULL
+               THEN format('operation %s: payload is required', x.n - 1)
+             WHEN x.type = 'ack' AND (x.transaction_id IS NULL OR x.transaction_id = '')
+               THEN format('operation %s: transactionId is required', x.n - 1)
+             WHEN x.type = 'ack' AND x.partition_id IS NULL
+               THEN format('operation %s: partitionId is required', x.n - 1)
+             WHEN x.type = 'ack' AND x.status IS NOT NULL
+                  AND x.status NOT IN ('completed', 'success', 'failed', 'dlq', 'retry')
+               THEN format('operation %s: unknown status %L', x.n - 1, x.status)
+             WHEN NOT queen.log_name_fits(x.queue)
+               THEN format('operation %s: queue is %s bytes; at most 255', x.n - 1, octet_length(x.queue))
+             WHEN NOT queen.log_name_fits(x.partition)
+               THEN format('operation %s: partition is %s bytes; at most 255', x.n - 1, octet_length(x.partition))
+             ELSE format('operation %s: transactionId is %s bytes; at most 255', x.n - 1,
+                         octet_length(x.transaction_id))
+           END INTO v_msg
+      FROM unnest(p_ops) WITH ORDINALITY AS x(type, queue, partition, transaction_id, trace_id, payload,
+                                              is_encrypted, partition_id, status, error, lease_id,
+                                              consumer_group, n)
+     WHERE x.type IS NULL OR x.type NOT IN ('push', 'ack')
+        OR (x.type = 'push' AND (x.queue IS NULL OR x.queue = '' OR x.partition = '' OR x.payload IS NULL))
+        OR (x.type = 'ack' AND (x.transaction_id IS NULL OR x.transaction_id = '' OR x.partition_id IS NULL
+                                OR (x.status IS NOT NULL
+                                    AND x.status NOT IN ('completed', 'success', 'failed', 'dlq', 'retry'))))
+        OR NOT (queen.log_name_fits(x.queue) AND queen.log_name_fits(x.partition)
+                AND queen.log_name_fits(x.transaction_id))
+     ORDER BY x.n LIMIT 1;
+    IF v_msg IS NOT NULL THEN
+        RAISE EXCEPTION 'timers_bad_request' USING ERRCODE = 'QTBAD', DETAIL = v_msg;
+    END IF;
+
+    -- Every required lease must be held now, on one of the tenant's partitions.
+    SELECT l INTO v_msg
+      FROM unnest(p_required_leases) l
+     WHERE NOT EXISTS (
+           SELECT 1 FROM queen.partition_consumers pc
+             JOIN queen.partitions p ON p.id = pc.partition_id
+             JOIN queen.queues q ON q.id = p.queue_id
+            WHERE q.tenant = p_tenant AND pc.lease_id::text = lower(l) AND pc.lease_expires_at > v_now)
+     LIMIT 1;
+    IF FOUND THEN
+        RETURN ROW(v_id, false, format('Invalid or expired lease: %s', v_msg), NULL, '{}')::queen.txn_outcome;
+    END IF;
+    IF cardinality(p_required_leases) = 1 THEN
+        v_lease := nullif(p_required_leases[1], '');
+    END IF;
+
+    BEGIN
+        -- queues and partitions created here are undone too when an ack fails
+        PERFORM queen.lock_partition(p_tenant, d.queue, d.partition)
+           FROM (SELECT DISTINCT x.queue, coalesce(x.partition, 'Default') AS partition
+                   FROM unnest(p_ops) x WHERE x.type = 'push' ORDER BY 1, 2) d;
+        FOR o IN
+            SELECT x.*, (x.n - 1)::integer AS idx
+              FROM unnest(p_ops) WITH ORDINALITY AS x(type, queue, partition, transaction_id, trace_id, payload,
+                                                      is_encrypted, partition_id, status, error, lease_id,
+                                                      consumer_group, n)
+             ORDER BY x.n
+        LOOP
+            IF o.type = 'push' THEN
+                SELECT * INTO pr FROM queen.push_messages(p_tenant,
+                    ARRAY[ROW(o.queue, o.partition, o.transaction_id, o.trace_id, o.payload,
+                              o.is_encrypted)::queen.push_item], p_producer_sub);
+                v_out := v_out || ROW(o.idx, 'push', true, pr.status, pr.transaction_id, pr.message_id,
+                                      pr.partition_id, pr.queue_name, coalesce(o.partition, 'Default'),
+                                      NULL, false, false)::queen.txn_result;
+            ELSE
+                SELECT * INTO ar FROM queen.ack_messages(p_tenant,
+                    ARRAY[ROW(o.transaction_id, o.partition_id, o.status, o.error,
+                              coalesce(nullif(o.lease_id, ''), v_lease), o.consumer_group)::queen.ack_item], v_now);
+                IF NOT ar.success THEN
+                    v_failed := o.idx;
+                    v_msg := format('ACK operation failed: %s', ar.error);
+                    RAISE EXCEPTION 'transaction_failed' USING ERRCODE = 'QTTXF';
+                END IF;
+                v_out := v_out || ROW(o.idx, 'ack', true, NULL, ar.transaction_id, NULL, o.partition_id,
+                                      ar.queue_name, ar.partition_name, NULL, ar.lease_released,
+                                      ar.dlq)::queen.txn_result;
+            END IF;
+        END LOOP;
+    EXCEPTION WHEN SQLSTATE 'QTTXF' THEN
+        -- every write of the block (messages, cursors, DLQ rows, new queues) is undone
+        RETURN ROW(v_id, false, v_msg, v_failed, '{}')::queen.txn_outcome;
+    END;
+    RETURN ROW(v_id, true, NULL, NULL, v_out)::queen.txn_outcome;
+END
+$$;
+
+-- Queen's lease extension: push the expiry of the tenant's lease
+-- p_lease_id (every partition a pop leased under it) to at least
+-- now + p_seconds; never shortens it. A lease that is unknown, released
+-- (acked, failed, retried) or another tenant's answers 'Lease not found';
+-- one whose expiry has passed answers 'Lease already expired' (a pop may
+-- take the partition again). renewed counts the partitions extended.
+CREATE FUNCTION queen.extend_lease(
+    p_tenant   text,
+    p_lease_id text,
+    p_seconds  integer     DEFAULT 60,
+    p_now      timestamptz DEFAULT NULL)
+RETURNS TABLE (lease_id text, success boolean, error text, expires_at timestamptz, renewed integer)
+LANGUAGE plpgsql AS $$
+#variable_conflict use_column
+DECLARE
+    v_now     timestamptz := coalesce(p_now, now());
+    v_expires timestamptz;
+    v_n       integer;
+BEGIN
+    IF p_seconds IS NULL OR p_seconds < 1 OR p_seconds > 86400 THEN
+        RAISE EXCEPTION 'timers_bad_request' USING ERRCODE = 'QTBAD',
+            DETAIL = format('seconds must be an integer from 1 to 86400, not %s', p_seconds);
+    END IF;
+    WITH mine AS (
+        SELECT pc.partition_id, pc.consumer_group
+          FROM queen.partition_consumers pc
+          JOIN queen.partitions p ON p.id = pc.partition_id
+          JOIN queen.queues q ON q.id = p.queue_id
+         WHERE q.tenant = p_tenant AND pc.lease_id::text = lower(p_lease_id) AND pc.lease_expires_at > v_now
+         ORDER BY pc.partition_id, pc.consumer_group
+           FOR UPDATE OF pc
+    ), ext AS (
+        UPDATE queen.partition_consumers pc
+           SET lease_expires_at = greatest(pc.lease_expires_at, v_now + make_interval(secs => p_seconds))
+          FROM mine m
+         WHERE pc.partition_id = m.partition_id AND pc.consumer_group = m.consumer_group
+        RETURNING pc.lease_expires_at
+    )
+    SELECT count(*), max(ext.lease_expires_at) INTO v_n, v_expires FROM ext;
+    IF v_n > 0 THEN
+        RETURN QUERY SELECT p_lease_id, true, NULL::text, v_expires, v_n;
+        RETURN;
+    END IF;
+    RETURN QUERY
+    SELECT p_lease_id, false,
+           CASE WHEN EXISTS (SELECT 1 FROM queen.partition_consumers pc
+                               JOIN queen.partitions p ON p.id = pc.partition_id
+                               JOIN queen.queues q ON q.id = p.queue_id
+                              WHERE q.tenant = p_tenant AND pc.lease_id::text = lower(p_lease_id))
+                THEN 'Lease already expired' ELSE 'Lease not found' END,
+           NULL::timestamptz, 0;
+END
 $$;

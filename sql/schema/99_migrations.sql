@@ -3,4 +3,7 @@
 -- Add a row here with every new file in sql/migrations/.
 -- =====================================================================
 INSERT INTO queen.schema_migrations (version, name) VALUES
-    (1, 'initial');
+    (1, 'initial'),
+    (2, 'log_tenancy'),
+    (3, 'timer_stats'),
+    (4, 'input_limits');

@@ -8,6 +8,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -195,7 +196,13 @@ def test_zstd_payload_is_stored_as_sent(db, database_url):
 
 
 def test_encrypting_queue_follows_the_http_rules(db, database_url):
-    db.execute("INSERT INTO queen.queues (name, encryption_enabled) VALUES ('secret', true)")
+    db.execute("INSERT INTO queen.queues (tenant, name, encryption_enabled) VALUES ('default', 'secret', true)")
+    # acme's queue 'secret' is another queue, which does not encrypt: no key needed
+    ok_json(run("schedule", "secret", "k", "--delay-ms", "60000", "--txn", "t", "--payload", "plain",
+                "--tenant", "acme", "--json", url=database_url))
+    row = db.execute("SELECT payload, encrypted FROM queen.timers WHERE tenant = 'acme'").fetchone()
+    assert row["encrypted"] is False and bytes(row["payload"]) == b"plain"
+    ok_json(run("cancel", "secret", "k", "--tenant", "acme", "--json", url=database_url))
     proc = run("schedule", "secret", "k", "--delay-ms", "60000", "--txn", "t", "--payload", "card 4242",
                url=database_url)
     assert proc.returncode == 1 and "feature_gated" in proc.stderr and "QUEEN_ENCRYPTION_KEY" in proc.stderr
@@ -304,55 +311,76 @@ def test_bulk_file_with_cancels_exits_1_when_one_is_not_ok(db, database_url, tmp
 # status and dlq
 # ---------------------------------------------------------------------------
 
-def _dead_letter(db, queue: str, key: str) -> None:
-    """A timer's dead letter as the fire leaves it, made from SQL."""
-    db.execute("SELECT * FROM queen.schedule_timers('default', ARRAY[queen.make_timer_op("
+def _dead_letter(db, queue: str, key: str, tenant: str = "default") -> None:
+    """A timer's dead letter as the fire leaves it (in its tenant's queue), made from SQL."""
+    db.execute("SELECT * FROM queen.schedule_timers(%s, ARRAY[queen.make_timer_op("
                "'schedule', %s, %s, p_delay_ms => 60000, p_txn => %s, p_payload => '\\x00'::bytea)])",
-               (queue, key, f"dead-{key}"))
+               (tenant, queue, key, f"dead-{key}"))
     claim = db.execute("SELECT claim_id FROM queen.claim_timers('cli-test', 1, 60000, now() + interval '61 s')"
                        ).fetchone()["claim_id"]
-    verdict = db.execute("SELECT queen.fail_timer('default', %s, %s, %s, 'permanent', 'test', 1) AS v",
-                         (queue, key, claim)).fetchone()["v"]
+    verdict = db.execute("SELECT queen.fail_timer(%s, %s, %s, %s, 'permanent', 'test', 1) AS v",
+                         (tenant, queue, key, claim)).fetchone()["v"]
     assert verdict == "dead_lettered"
 
 
 def test_status_numbers_match_the_database(db, database_url):
     _dead_letter(db, "alpha", "dead")
+    _dead_letter(db, "alpha", "dead", tenant="acme")
     ok_json(run("schedule", "alpha", "due", "--delay-ms", "-1000", "--txn", "t1", "--payload", "x", "--json",
                 url=database_url))
     for key in ("later-1", "later-2"):
         ok_json(run("schedule", "beta", key, "--delay-ms", "3600000", "--txn", key, "--payload", "x", "--json",
                     url=database_url))
 
+    # another tenant's timers and dead letter, in queues of the same names
+    ok_json(run("schedule", "beta", "acme-1", "--delay-ms", "7200000", "--txn", "a1", "--payload", "x",
+                "--tenant", "acme", "--json", url=database_url))
+
     status = ok_json(run("status", "--json", url=database_url))
     assert status["schedulingPaused"] is False and status["firePaused"] is False
-    assert status["pending"] == timer_count(db) == 3
+    assert status["pending"] == timer_count(db) == 4  # the cell's
     assert status["nextDueMs"] == 0  # alpha/due is due now
-    assert status["dlq"] == db.execute("SELECT queen.count_dlq() AS n").fetchone()["n"] == 1
+    assert status["tenant"] == "default" and status["tenantPending"] == 3
+    assert status["dlq"] == db.execute("SELECT queen.count_dlq('default') AS n").fetchone()["n"] == 1
     by_queue = {q["queue"]: q for q in status["queues"]}
     assert set(by_queue) == {"alpha", "beta"}
+    # the per-queue numbers are the dashboard's (queen.get_timer_stats)
+    for r in db.execute("SELECT * FROM queen.get_timer_stats('default')").fetchall():
+        q = by_queue[r["queue"]]
+        assert (q["pending"], q["due"], q["claimed"], q["retrying"]) == (
+            r["pending"], r["due"], r["claimed"], r["retrying"])
     assert by_queue["alpha"]["pending"] == timer_count(db, "alpha") == 1 and by_queue["alpha"]["due"] == 1
     assert by_queue["alpha"]["dlq"] == 1 and by_queue["alpha"]["timerDlq"] == 1
-    assert by_queue["beta"]["pending"] == timer_count(db, "beta") == 2 and by_queue["beta"]["due"] == 0
+    assert by_queue["beta"]["pending"] == timer_count(db, "beta") - 1 == 2 and by_queue["beta"]["due"] == 0
     assert by_queue["beta"]["claimed"] == 0 and by_queue["beta"]["dlq"] == 0
-    soonest = db.execute("SELECT min(deliver_at) AS d FROM queen.timers WHERE queue = 'beta'").fetchone()["d"]
+    soonest = db.execute("SELECT min(deliver_at) AS d FROM queen.timers WHERE queue = 'beta' AND tenant = 'default'"
+                         ).fetchone()["d"]
     assert by_queue["beta"]["nextDeliverAt"] == cli._iso(soonest)
+
+    acme = ok_json(run("status", "--tenant", "acme", "--json", url=database_url))
+    assert acme["pending"] == 4 and acme["tenant"] == "acme" and acme["tenantPending"] == 1 and acme["dlq"] == 1
+    assert [(q["queue"], q["pending"], q["dlq"], q["timerDlq"]) for q in acme["queues"]] == [
+        ("alpha", 0, 1, 1), ("beta", 1, 0, 0)]
+    assert ok_json(run("status", "--tenant", "nobody", "--json", url=database_url))["queues"] == []
 
     human = run("status", url=database_url)
     assert human.returncode == 0
-    assert "fire          running" in human.stdout and "next due      now" in human.stdout
-    assert any(ln.split()[:4] == ["beta", "2", "0", "0"] for ln in human.stdout.splitlines())
+    lines = human.stdout.splitlines()
+    assert re.search(r"^fire +running$", human.stdout, re.M) and re.search(r"^next due +now$", human.stdout, re.M)
+    assert re.search(r"^tenant +default$", human.stdout, re.M)
+    assert any(ln.split()[:4] == ["beta", "2", "0", "0"] for ln in lines)
 
     db.execute("SELECT queen.pause_fire()")
     db.execute("SELECT queen.pause_scheduling()")
     status = ok_json(run("status", "--json", url=database_url))
     assert status["firePaused"] is True and status["schedulingPaused"] is True and status["nextDueMs"] is None
-    assert "fire          paused" in run("status", url=database_url).stdout
+    assert re.search(r"^fire +paused$", run("status", url=database_url).stdout, re.M)
 
 
 def test_dlq_lists_dead_letters(db, database_url):
     _dead_letter(db, "alpha", "d1")
     _dead_letter(db, "beta", "d2")
+    _dead_letter(db, "beta", "d3", tenant="acme")
     body = ok_json(run("dlq", "--json", url=database_url))
     assert body["total"] == 2 and len(body["messages"]) == 2
     assert {m["transactionId"] for m in body["messages"]} == {"dead-d1", "dead-d2"}
@@ -361,6 +389,9 @@ def test_dlq_lists_dead_letters(db, database_url):
     assert one["total"] == 1 and one["messages"][0]["queue"] == "beta"
     human = run("dlq", url=database_url)
     assert human.returncode == 0 and "dead-d1" in human.stdout and "(2 shown of 2)" in human.stderr
+    acme = ok_json(run("dlq", "--tenant", "acme", "--json", url=database_url))
+    assert acme["total"] == 1 and [m["transactionId"] for m in acme["messages"]] == ["dead-d3"]
+    assert ok_json(run("dlq", "--tenant", "acme", "--queue", "alpha", "--json", url=database_url))["total"] == 0
 
 
 # ---------------------------------------------------------------------------

@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import json
 import re
+import time
 import uuid
 
 import jwt
@@ -267,12 +268,12 @@ def test_dlq_list_ignores_partition_pages_newest_first_and_replays(client, db):
 
 def test_lease_expiry_redelivers_without_spending_a_retry(db):
     """SQL level, with the injectable clock: an expired lease is free again."""
-    db.execute("SELECT queen.configure_queue('exp', NULL, NULL, '{\"leaseTime\": 10}')")
-    db.execute("SELECT * FROM queen.push_messages(ARRAY[ROW('exp', NULL, 't', NULL, '1'::bytea, false)::queen.push_item])")
-    first = db.execute("SELECT * FROM queen.pop_messages('exp')").fetchall()
+    db.execute("SELECT queen.configure_queue('default', 'exp', NULL, NULL, '{\"leaseTime\": 10}')")
+    db.execute("SELECT * FROM queen.push_messages('default', ARRAY[ROW('exp', NULL, 't', NULL, '1'::bytea, false)::queen.push_item])")
+    first = db.execute("SELECT * FROM queen.pop_messages('default', 'exp')").fetchall()
     assert len(first) == 1
-    assert db.execute("SELECT * FROM queen.pop_messages('exp', p_now => now() + interval '9 seconds')").fetchall() == []
-    later = db.execute("SELECT * FROM queen.pop_messages('exp', p_now => now() + interval '11 seconds')").fetchall()
+    assert db.execute("SELECT * FROM queen.pop_messages('default', 'exp', p_now => now() + interval '9 seconds')").fetchall() == []
+    later = db.execute("SELECT * FROM queen.pop_messages('default', 'exp', p_now => now() + interval '11 seconds')").fetchall()
     assert [r["transaction_id"] for r in later] == ["t"] and later[0]["lease_id"] != first[0]["lease_id"]
     pc = db.execute("SELECT batch_retry_count FROM queen.partition_consumers").fetchone()
     assert pc["batch_retry_count"] == 0
@@ -303,8 +304,8 @@ def test_encrypted_queue_round_trip(broker_factory, db):
 
 
 def _token(role: str, sub: str = "svc-a") -> dict:
-    return {"Authorization": "Bearer " + jwt.encode({"sub": sub, "role": role, "tenant": "default"},
-                                                    JWT_SECRET, algorithm="HS256")}
+    claims = {"sub": sub, "role": role, "tenant": "default", "exp": int(time.time()) + 600}
+    return {"Authorization": "Bearer " + jwt.encode(claims, JWT_SECRET, algorithm="HS256")}
 
 
 def test_access_levels_and_producer_sub_from_the_credential(broker_factory, db):

@@ -51,6 +51,8 @@ def test_wheel_in_a_fresh_venv_migrates_from_anywhere(admin_dsn, tmp_path):
         assert f"queen_timers/sql/migrations/{name}" in names
     for name in schema:
         assert f"queen_timers/sql/schema/{name}" in names
+    for path in (ROOT / "python" / "queen_timers" / "dashboard").iterdir():  # package data beside the SQL
+        assert f"queen_timers/dashboard/{path.name}" in names
     entry_points = [n for n in names if n.endswith(".dist-info/entry_points.txt")]
     assert entry_points and "queen-timers = queen_timers.cli:main" in \
         zipfile.ZipFile(wheel).read(entry_points[0]).decode()

@@ -73,7 +73,7 @@ def test_poison_timer_is_dead_lettered_after_five_attempts_and_others_flow(sdb, 
 
     # a timer's dead letter is not replayable
     with pytest.raises(psycopg.Error) as err:
-        sdb.execute("SELECT queen.replay_dlq_entry(%s)", (row["id"],))
+        sdb.execute("SELECT queen.replay_dlq_entry(%s, %s)", ("default", row["id"]))
     assert err.value.sqlstate == "QTRPL"
     assert len(sdb.execute("SELECT * FROM queen.dead_letter_queue").fetchall()) == 1
 

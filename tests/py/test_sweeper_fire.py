@@ -19,7 +19,8 @@ JWT_SECRET = "sweeper-test-secret-0123456789abcdef0123456789"
 
 
 def token(role: str) -> dict:
-    t = jwt.encode({"sub": f"ops-{role}", "tenant": "default", "role": role}, JWT_SECRET, algorithm="HS256")
+    claims = {"sub": f"ops-{role}", "tenant": "default", "role": role, "exp": int(time.time()) + 600}
+    t = jwt.encode(claims, JWT_SECRET, algorithm="HS256")
     return {"Authorization": f"Bearer {t}"}
 
 

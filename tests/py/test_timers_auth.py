@@ -3,6 +3,9 @@ producerSub from the JWT sub, the tenant from the JWT tenant."""
 
 from __future__ import annotations
 
+import time
+
+import jwt
 import pytest
 
 from timers_util import JWT_SECRET, assert_error, op, post, rows, token
@@ -87,3 +90,94 @@ def test_auth_is_checked_before_shape(jwt_client, db):
 def test_openapi_and_health_are_public(jwt_client, db):
     assert jwt_client.get("/openapi.json").status_code == 200
     assert jwt_client.get("/health").status_code == 200
+
+
+# ---------------------------------------------------------------------------
+# Malformed claims and headers: every one a JSON 401, nothing written, and
+# the broker answers the next good call.
+# ---------------------------------------------------------------------------
+
+def raw_token(secret: str = JWT_SECRET, **claims) -> str:
+    """A signed HS256 token with exactly these claims (`...` drops a default)."""
+    body = {"sub": "billing-service", "tenant": "acme", "role": "admin", "exp": int(time.time()) + 600}
+    body.update(claims)
+    return jwt.encode({k: v for k, v in body.items() if v is not ...}, secret, algorithm="HS256")
+
+
+def bearer(**claims) -> dict:
+    return {"Authorization": f"Bearer {raw_token(**claims)}"}
+
+
+def assert_refused_401(c, db, headers, detail_part: str) -> None:
+    for name, r in calls(c, headers).items():
+        assert r.status_code == 401, (name, r.status_code, r.text)
+        assert r.headers["content-type"].startswith("application/json"), (name, r.headers)
+        body = r.json()
+        assert body["error"] == "unauthorized", (name, body)
+        assert detail_part in body["detail"], (name, body)
+    assert rows(db) == []
+    # the broker is healthy: a good credential still works
+    ok = post(c, op("schedule", "after-refusal"), headers=token("admin"))
+    assert ok.status_code == 200, ok.text
+    assert [r["timer_key"] for r in rows(db)] == ["after-refusal"]
+    db.execute("DELETE FROM queen.timers")
+
+
+@pytest.mark.parametrize("role", [["admin"], {"a": 1}, 7, True, None, ""])
+def test_a_role_that_is_not_a_string_or_empty_is_401(jwt_client, db, role):
+    assert_refused_401(jwt_client, db, bearer(role=role), "role claim")
+
+
+def test_a_missing_role_is_401(jwt_client, db):
+    assert_refused_401(jwt_client, db, bearer(role=...), "role claim")
+
+
+@pytest.mark.parametrize("tenant", [..., "", None, ["acme"], {"t": "acme"}, 42])
+def test_a_missing_empty_or_non_string_tenant_is_401_never_tenant_default(jwt_client, db, tenant):
+    assert_refused_401(jwt_client, db, bearer(tenant=tenant), "tenant claim")
+
+
+@pytest.mark.parametrize("sub", [..., "", ["x"], {"s": 1}, 42])
+def test_a_missing_empty_or_non_string_sub_is_401(jwt_client, db, sub):
+    # PyJWT itself refuses a missing or non-string sub; either way a JSON 401
+    assert_refused_401(jwt_client, db, bearer(sub=sub), "")
+
+
+def test_a_token_without_exp_is_401(jwt_client, db):
+    assert_refused_401(jwt_client, db, bearer(exp=...), "exp")
+
+
+@pytest.mark.parametrize("exp", ["tomorrow", [1], {"t": 1}])
+def test_a_non_numeric_exp_is_401(jwt_client, db, exp):
+    assert_refused_401(jwt_client, db, bearer(exp=exp), "exp")
+
+
+def test_an_expired_token_is_401_past_the_leeway(jwt_client, db):
+    assert_refused_401(jwt_client, db, bearer(exp=int(time.time()) - 60), "expired")
+
+
+def test_exp_leeway_is_configurable(broker_factory, db):
+    b = broker_factory(QUEEN_AUTH="jwt", QUEEN_JWT_SECRET=JWT_SECRET, QUEEN_JWT_LEEWAY_SECONDS="300")
+    with b.client() as c:
+        # expired a minute ago: within 300 s of leeway
+        r = post(c, op("schedule", "late"), headers=bearer(exp=int(time.time()) - 60))
+        assert r.status_code == 200, r.text
+        r = post(c, op("schedule", "too-late"), headers=bearer(exp=int(time.time()) - 900))
+        assert_error(r, 401, "unauthorized")
+    assert [r["timer_key"] for r in rows(db)] == ["late"]
+
+
+@pytest.mark.parametrize("make_header", [
+    lambda: raw_token(),                       # no scheme at all
+    lambda: f"Basic {raw_token()}",            # another scheme
+    lambda: f"Token {raw_token()}",
+    lambda: "Bearer",                           # the scheme and no token
+    lambda: f"Bearer{raw_token()}",            # no space
+])
+def test_the_header_must_be_bearer_token(jwt_client, db, make_header):
+    assert_refused_401(jwt_client, db, {"Authorization": make_header()}, "")
+
+
+def test_bearer_scheme_is_case_insensitive(jwt_client, db):
+    r = post(jwt_client, op("schedule", "k"), headers={"Authorization": f"bearer {raw_token()}"})
+    assert r.status_code == 200, r.text

@@ -41,10 +41,10 @@ def _slugs(response: dict) -> set[str]:
 def test_timer_routes_document_every_status_and_slug(client, db):
     paths = client.get("/openapi.json").json()["paths"]
     post = paths["/api/v1/timers"]["post"]["responses"]
-    assert set(post) == {"200", "400", "401", "403", "413", "429", "503"}
+    assert set(post) == {"200", "400", "401", "403", "413", "429", "500", "503"}
     assert _slugs(post["403"]) == {"forbidden", "feature_gated", "produce_blocked",
                                    "timers_quota_exceeded", "timer_horizon_exceeded"}
-    assert _slugs(post["413"]) == {"payload_too_large"}
+    assert _slugs(post["413"]) == {"payload_too_large", "body_too_large"}
     assert _slugs(post["429"]) == {"rate_limited"}
     assert _slugs(post["503"]) == {"timers_disabled", "timers_unavailable"}
     assert _slugs(post["400"]) == {"timers_bad_request"}
@@ -52,7 +52,7 @@ def test_timer_routes_document_every_status_and_slug(client, db):
     for code in ("403", "413", "429", "503"):
         assert "x-queen-timers-hint" in post[code]["headers"]
     delete = paths["/api/v1/timers/{queue}/{timerKey}"]["delete"]["responses"]
-    assert set(delete) == {"200", "400", "401", "403", "503"}
+    assert set(delete) == {"200", "400", "401", "403", "500", "503"}
     assert _slugs(delete["403"]) == {"forbidden"}  # no rung of the gate ladder
     assert _slugs(delete["503"]) == {"timers_unavailable"}
     for route in (paths["/api/v1/timers/{queue}/{timerKey}"]["get"], paths["/api/v1/timers/{queue}"]["get"]):
@@ -65,3 +65,14 @@ def test_every_ref_resolves(client, db):
     doc = client.get("/openapi.json").json()
     refs = set(re.findall(r'"\$ref": ?"#/components/schemas/([^"]+)"', client.get("/openapi.json").text))
     assert refs and refs <= set(doc["components"]["schemas"])
+
+
+def test_every_body_route_documents_413_body_too_large_and_every_route_500(client, db):
+    paths = client.get("/openapi.json").json()["paths"]
+    with_body = {(p, m) for p, methods in paths.items() for m, o in methods.items() if "requestBody" in o}
+    assert ("/api/v1/push", "post") in with_body and ("/api/v1/system/timers/fire", "post") in with_body
+    for path, method in with_body:
+        assert "body_too_large" in _slugs(paths[path][method]["responses"]["413"]), (path, method)
+    for path, methods in paths.items():
+        for method, operation in methods.items():
+            assert _slugs(operation["responses"]["500"]) == {"internal_error"}, (path, method)

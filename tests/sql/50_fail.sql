@@ -59,14 +59,14 @@ SELECT results_eq($$SELECT d.consumer_group, d.transaction_id, d.payload, d.prod
 SELECT is((SELECT count(*) FROM queen.messages), 0::bigint, 'no frame entered the log');
 
 -- replay
-SELECT throws_ok($$SELECT queen.replay_dlq_entry((SELECT id FROM queen.dead_letter_queue WHERE consumer_group = '__QUEEN_TIMERS__'))$$,
+SELECT throws_ok($$SELECT queen.replay_dlq_entry('acme', (SELECT id FROM queen.dead_letter_queue WHERE consumer_group = '__QUEEN_TIMERS__'))$$,
                  'QTRPL', 'dlq_replay_refused', 'replaying a timer''s dead letter is refused');
 SELECT is((SELECT count(*) FROM queen.dead_letter_queue), 1::bigint, 'the refused replay kept the DLQ row');
-SELECT throws_ok($$SELECT queen.replay_dlq_entry(gen_random_uuid())$$, 'QTNFD', 'not_found', 'an unknown DLQ id');
+SELECT throws_ok($$SELECT queen.replay_dlq_entry('acme', gen_random_uuid())$$, 'QTNFD', 'not_found', 'an unknown DLQ id');
 INSERT INTO queen.dead_letter_queue (message_id, partition_id, consumer_group, transaction_id, payload, error_message, retry_count)
 SELECT gen_random_uuid(), partition_id, 'workers', 'order-7', '\x6f37', 'consumer gave up', 3 FROM queen.dead_letter_queue;
 CREATE TEMP TABLE replayed AS
-SELECT queen.replay_dlq_entry((SELECT id FROM queen.dead_letter_queue WHERE consumer_group = 'workers')) AS id,
+SELECT queen.replay_dlq_entry('acme', (SELECT id FROM queen.dead_letter_queue WHERE consumer_group = 'workers')) AS id,
        (SELECT id FROM queen.dead_letter_queue WHERE consumer_group = 'workers') AS dlq_id;
 SELECT isnt((SELECT id FROM replayed), NULL, 'an ordinary dead letter replays, answering the new message id');
 SELECT results_eq($$SELECT m.transaction_id, m.payload, p.name FROM queen.messages m JOIN queen.partitions p ON p.id = m.partition_id
@@ -80,7 +80,7 @@ SELECT lives_ok($$SELECT * FROM queen.schedule_timers('acme', ARRAY[ROW('schedul
                                                       p_now => pg_temp.at(40))$$, 'setup: k again, zstd');
 SELECT is(queen.fail_timer('acme', 'dq', 'k', pg_temp.claim(pg_temp.at(40)), 'permanent', 'nope', 1, p_now => pg_temp.at(40)), 'dead_lettered',
           'p_max_attempts 1: the first spent attempt dead-letters');
-SELECT results_eq($$SELECT transaction_id, payload_zstd FROM queen.list_dlq('dq', '__QUEEN_TIMERS__') ORDER BY transaction_id$$,
+SELECT results_eq($$SELECT transaction_id, payload_zstd FROM queen.list_dlq('acme', 'dq', '__QUEEN_TIMERS__') ORDER BY transaction_id$$,
                   $$VALUES ('txn-k', false), ('txn-k2', true)$$,
                   'a dead-lettered zstd payload is flagged as such (its bytes are stored compressed)');
 SELECT is((SELECT payload FROM queen.dead_letter_queue WHERE transaction_id = 'txn-k2'), '\x00'::bytea, 'the payload is dead-lettered as stored');

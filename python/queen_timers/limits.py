@@ -1,0 +1,39 @@
+"""Documented limits on names, in UTF-8 bytes (README "Limits").
+
+The HTTP shell checks them before any SQL (400 timers_bad_request); the
+timer functions check the same numbers again (queen.timer_name_problem),
+so a DBA's psql call gets the same refusal. A name over its limit would
+otherwise reach a btree index as a row too large for it: an error of
+capacity (503, "retry") for what is a malformed request.
+"""
+
+from __future__ import annotations
+
+from .errors import bad_request
+
+MAX_QUEUE_BYTES = 255
+MAX_TIMER_KEY_BYTES = 1024
+MAX_TXN_BYTES = 255
+MAX_PARTITION_BYTES = 255
+
+LIMITS: dict[str, int] = {
+    "queue": MAX_QUEUE_BYTES,
+    "timerKey": MAX_TIMER_KEY_BYTES,
+    "after": MAX_TIMER_KEY_BYTES,       # a timerKey cursor
+    "txn": MAX_TXN_BYTES,
+    "transactionId": MAX_TXN_BYTES,     # the log's name for a txn
+    "partition": MAX_PARTITION_BYTES,
+}
+
+
+def check_name(name: str, value: str, where: str = "") -> None:
+    """400 when `value` has a NUL, is not encodable Unicode, or is over the limit of `name`."""
+    if "\x00" in value:
+        raise bad_request(f"{where}{name} may not contain a NUL character")
+    try:
+        size = len(value.encode("utf-8"))
+    except UnicodeEncodeError:
+        raise bad_request(f"{where}{name} is not valid Unicode (a lone surrogate)") from None
+    limit = LIMITS[name]
+    if size > limit:
+        raise bad_request(f"{where}{name} is {size} bytes; at most {limit} (UTF-8)")
