@@ -7,7 +7,7 @@ SHELL := /bin/bash
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-18s %s\n", $$1, $$2}'
 
-run:  ## one broker on :6632 over the embedded cluster in .queen/ (or QUEEN_DATABASE_URL)
+run:  ## one broker on :6632 over the embedded cluster in .queen/ (or QUEEN_DATABASE_URL); names the cluster
 	@scripts/run
 
 test:  ## install what is missing, throwaway cluster, pg_prove + pytest
@@ -19,11 +19,11 @@ bench:  ## benchmarks and fault drills (bench/), results printed and in bench/ou
 install:  ## the venv and the Debian test tools, nothing else
 	@scripts/install-deps
 
-stop-db:  ## stop the embedded cluster started by make run
-	@scripts/pg-cluster stop .queen/pg
+stop-db:  ## stop this checkout's embedded cluster (.queen/pg), saying which
+	@scripts/stop-db
 
-psql:  ## psql into the embedded cluster's queen database
-	@psql "postgresql://postgres@127.0.0.1:$${QUEEN_PG_PORT:-6640}/queen"
+psql:  ## psql into the queen database (QUEEN_DATABASE_URL, or this checkout's embedded cluster)
+	@scripts/psql
 
 migration-initial:  ## until 0.1.0 ships: rebuild migration 001 from the canonical schema
 	@cat $$(ls sql/schema/*.sql | grep -v '/99_') > sql/migrations/001_initial.sql

@@ -1,34 +1,14 @@
-"""python -m queen_timers: migrate the database, then run one broker (HTTP + sweeper)."""
+"""python -m queen_timers: the queen-timers command line (cli.py).
+
+With no arguments it runs `serve` (migrate the database, then one broker:
+HTTP + sweeper), as it always has; `--help` prints help and starts nothing.
+"""
 
 from __future__ import annotations
 
-import logging
 import sys
 
-import uvicorn
-
-from .app import create_app
-from .config import ConfigError, Settings
-from .db import conninfo
-from .migrate import migrate
-from .server import JsonErrorH11Protocol
-
-
-def main() -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
-    try:
-        settings = Settings.from_env()
-    except ConfigError as exc:
-        print(f"queen-timers: {exc}", file=sys.stderr)
-        return 2
-    # on the primary: the same multi-host rule and bounded connect as every broker connection
-    applied = migrate(conninfo(settings.database_url, settings))
-    if applied:
-        logging.getLogger("queen_timers").info("applied migrations %s", applied)
-    uvicorn.run(create_app(settings), host=settings.host, port=settings.port,
-                log_level="warning", access_log=False, http=JsonErrorH11Protocol)
-    return 0
-
+from .cli import main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(default_command="serve"))

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+from importlib import resources
 from pathlib import Path
 from time import monotonic
 
@@ -36,7 +37,22 @@ from .errors import ReadOnlyServer
 
 log = logging.getLogger("queen_timers.db")
 
-SQL_DIR = Path(os.environ.get("QUEEN_SQL_DIR") or Path(__file__).resolve().parents[2] / "sql")
+
+
+def find_sql_dir() -> Path:
+    """Where sql/ (schema/ and migrations/) is: QUEEN_SQL_DIR when set; else the copy a
+    wheel carries inside the package (queen_timers/sql, see setup.py); else the
+    checkout's sql/ at the repository root (an editable install, tests)."""
+    override = os.environ.get("QUEEN_SQL_DIR")
+    if override:
+        return Path(override)
+    packaged = resources.files("queen_timers") / "sql"
+    if packaged.is_dir() and isinstance(packaged, Path):
+        return packaged
+    return Path(__file__).resolve().parents[2] / "sql"
+
+
+SQL_DIR = find_sql_dir()
 
 # libpq parameters the broker sets when neither the URL nor the matching PG*
 # environment variable does: no connection attempt or silent peer can hold a

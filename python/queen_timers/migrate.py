@@ -4,8 +4,11 @@ Safe to run from several brokers at once: an advisory lock serialises
 them and applied versions are recorded in queen.schema_migrations.
 Refuses to start when the database holds a version this code does not know,
 or when a migration file changed after it was applied (its sha256 is kept).
+status() reads what is applied without changing anything; check() says
+whether the database is exactly at this code's latest migration.
 
-    python -m queen_timers.migrate            # uses QUEEN_DATABASE_URL
+    queen-timers migrate [apply|status|check]    # see cli.py
+    python -m queen_timers.migrate               # apply only, uses QUEEN_DATABASE_URL
 """
 
 from __future__ import annotations
@@ -43,8 +46,56 @@ def available(directory: Path | None = None) -> list[tuple[int, str, Path]]:
     return found
 
 
-def migrate(conninfo: str, directory: Path | None = None) -> list[int]:
-    """Apply what is missing; return the versions applied now."""
+def _checksum(path: Path) -> str:
+    return hashlib.sha256(path.read_text().encode()).hexdigest()
+
+
+def status(conninfo: str, directory: Path | None = None) -> list[dict]:
+    """One row per migration known to the code or recorded in the database, in version order:
+    {version, name, state, applied_at}. state is `applied`, `pending` (not applied yet),
+    `changed` (the file differs from the one applied) or `unknown` (in the database,
+    not in this code: the database is newer). Reads only."""
+    known = available(directory)
+    with psycopg.connect(conninfo, autocommit=True) as conn:
+        exists = conn.execute("SELECT to_regclass('queen.schema_migrations') IS NOT NULL").fetchone()[0]
+        applied = {}
+        if exists:
+            applied = {v: (n, c, at) for v, n, c, at in conn.execute(
+                "SELECT version, name, checksum, applied_at FROM queen.schema_migrations")}
+    rows = []
+    for version, name, path in known:
+        if version not in applied:
+            rows.append({"version": version, "name": name, "state": "pending", "applied_at": None})
+            continue
+        _, checksum, at = applied.pop(version)
+        state = "applied" if checksum in (None, _checksum(path)) else "changed"
+        rows.append({"version": version, "name": name, "state": state, "applied_at": at})
+    for version, (name, _, at) in applied.items():
+        rows.append({"version": version, "name": name, "state": "unknown", "applied_at": at})
+    return sorted(rows, key=lambda r: r["version"])
+
+
+def check(conninfo: str, directory: Path | None = None) -> tuple[bool, str]:
+    """(True, ...) when every migration of this code is applied unchanged and the database
+    holds none it does not know; otherwise (False, what is wrong)."""
+    rows = status(conninfo, directory)
+    problems = []
+    for state, what in (("pending", "not applied"), ("changed", "changed after they were applied"),
+                        ("unknown", "unknown to this code (the database is newer)")):
+        names = [f"{r['version']:03d}_{r['name']}" for r in rows if r["state"] == state]
+        if names:
+            problems.append(f"{what}: {', '.join(names)}")
+    if problems:
+        return False, "; ".join(problems)
+    latest = max((r["version"] for r in rows), default=0)
+    return True, f"up to date at migration {latest:03d}"
+
+
+def migrate(conninfo: str, directory: Path | None = None, progress=None) -> list[int]:
+    """Apply what is missing; return the versions applied now.
+
+    progress(event, version, name), when given, is called with "start" and
+    "done" around each migration applied."""
     todo = available(directory)
     done: list[int] = []
     with psycopg.connect(conninfo, autocommit=True) as conn:
@@ -68,11 +119,15 @@ def migrate(conninfo: str, directory: Path | None = None) -> list[int]:
                             f"{path.name} changed after it was applied to this database; "
                             "migrations are append-only: add a new one")
                     continue
+                if progress:
+                    progress("start", version, name)
                 with conn.transaction():
                     conn.execute(text)
                     conn.execute("INSERT INTO queen.schema_migrations (version, name, checksum) VALUES (%s, %s, %s)",
                                  (version, name, checksum))
                 done.append(version)
+                if progress:
+                    progress("done", version, name)
         finally:
             conn.execute("SELECT pg_advisory_unlock(%s)", (LOCK_KEY,))
     return done

@@ -93,6 +93,29 @@ def _str(value: object) -> str | None:
     return None if value is None else str(value)
 
 
+def peek_json(r: dict) -> dict:
+    """A queen.peek_timer row as GET /api/v1/timers/:queue/*timerKey answers it (also the CLI's peek)."""
+    return {
+        "found": True, "queue": r["queue"], "timerKey": r["timer_key"], "partition": r["partition"],
+        "deliverAt": iso(r["deliver_at"]), "txn": r["txn"], "messageId": _str(r["message_id"]),
+        "payload": payloads.encode_base64(bytes(r["payload"])), "payloadZstd": r["payload_zstd"],
+        "encrypted": r["encrypted"], "producerSub": r["producer_sub"], "attempts": r["attempts"],
+        "lastError": r["last_error"], "claimed": r["claimed"],
+        "createdAt": iso(r["created_at"]), "updatedAt": iso(r["updated_at"]),
+    }
+
+
+def list_row_json(r: dict) -> dict:
+    """A queen.list_timers row as GET /api/v1/timers/:queue lists it (also the CLI's list)."""
+    return {
+        "timerKey": r["timer_key"], "partition": r["partition"], "deliverAt": iso(r["deliver_at"]),
+        "txn": r["txn"], "messageId": _str(r["message_id"]), "payloadZstd": r["payload_zstd"],
+        "encrypted": r["encrypted"], "producerSub": r["producer_sub"], "attempts": r["attempts"],
+        "lastError": r["last_error"], "claimed": r["claimed"],
+        "createdAt": iso(r["created_at"]), "updatedAt": iso(r["updated_at"]),
+    }
+
+
 def _path_parts(request: Request) -> tuple[str, str | None]:
     """(queue, timerKey or None) from the raw path, so that `tenant/42` and
     `tenant%2F42` are the same key and a queue segment is decoded exactly once.
@@ -365,14 +388,7 @@ async def peek(request: Request) -> JSONResponse:
     r = await _run(request, work, read=True)
     if r is None:
         return JSONResponse({"found": False})
-    return JSONResponse({
-        "found": True, "queue": r["queue"], "timerKey": r["timer_key"], "partition": r["partition"],
-        "deliverAt": iso(r["deliver_at"]), "txn": r["txn"], "messageId": _str(r["message_id"]),
-        "payload": payloads.encode_base64(bytes(r["payload"])), "payloadZstd": r["payload_zstd"],
-        "encrypted": r["encrypted"], "producerSub": r["producer_sub"], "attempts": r["attempts"],
-        "lastError": r["last_error"], "claimed": r["claimed"],
-        "createdAt": iso(r["created_at"]), "updatedAt": iso(r["updated_at"]),
-    })
+    return JSONResponse(peek_json(r))
 
 
 async def list_timers(request: Request) -> JSONResponse:
@@ -404,13 +420,7 @@ async def _list(request: Request, principal, queue: str) -> JSONResponse:
 
     rows = await _run(request, work, read=True)
     return JSONResponse({
-        "rows": [{
-            "timerKey": r["timer_key"], "partition": r["partition"], "deliverAt": iso(r["deliver_at"]),
-            "txn": r["txn"], "messageId": _str(r["message_id"]), "payloadZstd": r["payload_zstd"],
-            "encrypted": r["encrypted"], "producerSub": r["producer_sub"], "attempts": r["attempts"],
-            "lastError": r["last_error"], "claimed": r["claimed"],
-            "createdAt": iso(r["created_at"]), "updatedAt": iso(r["updated_at"]),
-        } for r in rows],
+        "rows": [list_row_json(r) for r in rows],
         "truncated": bool(rows and rows[0]["truncated"]),
         "nextAfter": rows[0]["next_after"] if rows else None,
     })
