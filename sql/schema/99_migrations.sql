@@ -3,4 +3,5 @@
 -- Add a row here with every new file in sql/migrations/.
 -- =====================================================================
 INSERT INTO queen.schema_migrations (version, name) VALUES
-    (1, 'initial');
+    (1, 'initial'),
+    (4, 'cancel_fast');
