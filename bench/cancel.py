@@ -17,12 +17,12 @@ Fairness of the SQL comparison (issue 12):
 from __future__ import annotations
 
 import asyncio
+import json
 import signal
 import statistics
 import threading
 import time
 
-import httpx
 import psycopg
 from psycopg.types.composite import CompositeInfo, register_composite
 
@@ -94,35 +94,75 @@ def sql_run(client, admin, method: str, n: int) -> dict:
 # HTTP
 # -------------------------------------------------------------------------
 
-async def _http_cancels(base: str, keys: list[str], clients: int) -> tuple[float, list[float], dict]:
+class RawHttp:
+    """One keep-alive HTTP/1.1 connection on asyncio streams: a request line, the
+    response head, Content-Length bytes of body. The bench's client must cost
+    little beside the broker it measures: httpx spends about 2 ms of CPU per
+    request on a 2-core machine, more than the broker does, and would be what
+    the figures measure."""
+
+    def __init__(self, host: str, port: int):
+        self.host, self.port = host, port
+        self.reader: asyncio.StreamReader | None = None
+        self.writer: asyncio.StreamWriter | None = None
+
+    async def open(self) -> "RawHttp":
+        self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
+        return self
+
+    async def request(self, method: str, path: str) -> tuple[int, bytes]:
+        self.writer.write(f"{method} {path} HTTP/1.1\r\nHost: {self.host}\r\n\r\n".encode())
+        head = await self.reader.readuntil(b"\r\n\r\n")
+        length = 0
+        for line in head.split(b"\r\n")[1:]:
+            name, _, value = line.partition(b":")
+            if name.strip().lower() == b"content-length":
+                length = int(value)
+        return int(head[9:12]), await self.reader.readexactly(length)
+
+    def close(self) -> None:
+        if self.writer:
+            self.writer.close()
+
+
+def _verdict(status: int, body: bytes) -> str:
+    if status == 200:
+        try:
+            return json.loads(body).get("status")
+        except ValueError:
+            pass
+    return body[:60].decode(errors="replace")
+
+
+async def _http_cancels(broker: Broker, keys: list[str], clients: int) -> tuple[float, list[float], dict]:
     it = iter(keys)
     lat: list[float] = []
     outcomes: dict = {}
 
-    async def worker():
-        async with httpx.AsyncClient(base_url=base, timeout=30) as c:
-            await c.get("/health")  # the connection is open before the clock starts
-            await ready.wait()
-            for key in it:
-                t = time.perf_counter()
-                r = await c.delete(f"/api/v1/timers/{QUEUE}/{key}")
-                lat.append(time.perf_counter() - t)
-                k = (r.status_code, r.json().get("status") if r.status_code == 200 else r.text[:80])
-                outcomes[k] = outcomes.get(k, 0) + 1
+    async def worker(c: RawHttp):
+        for key in it:
+            t = time.perf_counter()
+            status, body = await c.request("DELETE", f"/api/v1/timers/{QUEUE}/{key}")
+            lat.append(time.perf_counter() - t)
+            k = (status, _verdict(status, body))
+            outcomes[k] = outcomes.get(k, 0) + 1
 
-    ready = asyncio.Event()
-    tasks = [asyncio.create_task(worker()) for _ in range(clients)]
-    await asyncio.sleep(0.3)
-    t0 = time.perf_counter()
-    ready.set()
-    await asyncio.gather(*tasks)
-    return time.perf_counter() - t0, lat, outcomes
+    conns = [await RawHttp("127.0.0.1", broker.port).open() for _ in range(clients)]
+    try:
+        for c in conns:  # every connection open and served once before the clock starts
+            await c.request("GET", "/health")
+        t0 = time.perf_counter()
+        await asyncio.gather(*(worker(c) for c in conns))
+        return time.perf_counter() - t0, lat, outcomes
+    finally:
+        for c in conns:
+            c.close()
 
 
 def http_run(broker: Broker, admin, clients: int, n: int) -> dict:
     seed(admin, n)
     before = counter(admin)
-    secs, lat, outcomes = asyncio.run(_http_cancels(broker.url, [_key(i) for i in range(1, n + 1)], clients))
+    secs, lat, outcomes = asyncio.run(_http_cancels(broker, [_key(i) for i in range(1, n + 1)], clients))
     out = _summary(lat, secs)
     out.update(outcomes={f"{k[0]} {k[1]}": v for k, v in outcomes.items()}, left=left(admin),
                counter_drop=before - counter(admin))
@@ -175,6 +215,7 @@ def profile(url: str, admin, n: int) -> list[str]:
                round(total_exec_time::numeric, 1), regexp_replace(left(query, 100), '\\s+', ' ', 'g')
           FROM pg_stat_statements
          WHERE dbid = (SELECT oid FROM pg_database WHERE datname = current_database())
+           AND calls >= 3
            AND (query ILIKE '%%cancel_timer%%' OR query ILIKE '%%queen.timers%%'
                 OR query ILIKE '%%tenant_usage%%' OR query ILIKE '%%delete_unclaimed%%')
          ORDER BY toplevel DESC, total_exec_time DESC LIMIT 12""").fetchall()
@@ -190,7 +231,7 @@ def profile(url: str, admin, n: int) -> list[str]:
 # -------------------------------------------------------------------------
 
 def _scheduler(url: str, stop: threading.Event, t0: float, seconds: float, fire_rate: int, cancel_rate: int,
-               tick: float, fire_delay_ms: int, cancel_delay_ms: int, stats: dict) -> None:
+               tick: float, fire_delay_ms: int, cancel_delay_ms: int, stats: dict, run: str) -> None:
     """Every tick: fire_rate*tick timers due fire_delay_ms later (they fire) and
     cancel_rate*tick timers due cancel_delay_ms later (the cancel targets), one
     queen.schedule_timers call."""
@@ -211,9 +252,9 @@ def _scheduler(url: str, stop: threading.Event, t0: float, seconds: float, fire_
                 time.sleep(when - now)
             elif now - when > 1.0:
                 stats["late_ticks"] = stats.get("late_ticks", 0) + 1
-            ops = [T("schedule", QUEUE + "-load", f"lf-{b}-{i}", fire_delay_ms, f"lf-{b}-{i}", payload,
+            ops = [T("schedule", QUEUE + "-load", f"lf{run}-{b}-{i}", fire_delay_ms, f"lf{run}-{b}-{i}", payload,
                      None, False, False, None) for i in range(per_fire)]
-            ops += [T("schedule", QUEUE + "-load", f"lc-{b}-{i}", cancel_delay_ms, f"lc-{b}-{i}", payload,
+            ops += [T("schedule", QUEUE + "-load", f"lc{run}-{b}-{i}", cancel_delay_ms, f"lc{run}-{b}-{i}", payload,
                       None, False, False, None) for i in range(per_cancel)]
             conn.execute("SELECT count(*) FROM queen.schedule_timers(%s, %s::queen.timer_op[], NULL, NULL, false)",
                          (TENANT, ops)).fetchone()
@@ -222,26 +263,49 @@ def _scheduler(url: str, stop: threading.Event, t0: float, seconds: float, fire_
         stats["batches"] = b
 
 
-async def _paced_cancels(base: str, targets: list[tuple[float, str]]) -> list[tuple[int, float, str]]:
-    """Open loop: each DELETE is sent at its own time, whatever the previous ones are doing."""
+async def _paced_cancels(broker: Broker, targets: list[tuple[float, str]]) -> list[tuple[int, float, str]]:
+    """Open loop: each DELETE is sent at its own time on an idle keep-alive
+    connection (a new one when none is idle), whatever the others are doing."""
     out: list[tuple[int, float, str]] = []
-    limits = httpx.Limits(max_connections=32, max_keepalive_connections=32)
-    async with httpx.AsyncClient(base_url=base, timeout=30, limits=limits) as c:
-        await asyncio.gather(*(c.get("/health") for _ in range(4)))
+    idle: list[RawHttp] = []
+    opened: list[RawHttp] = []
+    for _ in range(4):
+        c = await RawHttp("127.0.0.1", broker.port).open()
+        await c.request("GET", "/health")
+        opened.append(c)
+        idle.append(c)
 
-        async def one(at: float, key: str):
-            delay = at - time.monotonic()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            t = time.perf_counter()
+    async def one(at: float, key: str):
+        delay = at - time.monotonic()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        t = time.perf_counter()
+        path = f"/api/v1/timers/{QUEUE}-load/{key}"
+        while idle and idle[-1].reader.at_eof():  # closed by the server while idle (keep-alive timeout)
+            idle.pop()
+        c = idle.pop() if idle else None
+        reused = c is not None
+        for attempt in (0, 1):
             try:
-                r = await c.delete(f"/api/v1/timers/{QUEUE}-load/{key}")
-                lat = time.perf_counter() - t
-                out.append((r.status_code, lat, r.json().get("status") if r.status_code == 200 else r.text[:60]))
-            except httpx.HTTPError as exc:
+                if c is None:
+                    c = await RawHttp("127.0.0.1", broker.port).open()
+                    opened.append(c)
+                status, body = await c.request("DELETE", path)
+                out.append((status, time.perf_counter() - t, _verdict(status, body)))
+                idle.append(c)
+                return
+            except (OSError, asyncio.IncompleteReadError, ValueError) as exc:
+                if attempt == 0 and reused:
+                    c = None  # a kept-alive connection the server closed: once more on a new one
+                    continue
                 out.append((-1, time.perf_counter() - t, type(exc).__name__))
+                return
 
+    try:
         await asyncio.gather(*(one(at, key) for at, key in targets))
+    finally:
+        for c in opened:
+            c.close()
     return out
 
 
@@ -255,38 +319,50 @@ def under_load(url: str, broker: Broker, admin, seconds: float, fire_rate: int, 
     t0 = time.monotonic() + 0.5
     n_ticks = int(seconds / tick)
     # each cancel target is cancelled cancel_after s after its batch, evenly spread within the tick
-    targets = [(t0 + b * tick + cancel_after + i * tick / per_cancel, f"lc-{b}-{i}")
+    run = str(int(time.time()))  # keys and txns of this run only (a txn fires once per partition)
+    targets = [(t0 + b * tick + cancel_after + i * tick / per_cancel, f"lc{run}-{b}-{i}")
                for b in range(n_ticks) for i in range(per_cancel)]
     stop = threading.Event()
     stats: dict = {}
     th = threading.Thread(target=_scheduler, args=(url, stop, t0, seconds, fire_rate, cancel_rate, tick,
-                                                   fire_delay_ms, cancel_delay_ms, stats), daemon=True)
+                                                   fire_delay_ms, cancel_delay_ms, stats, run), daemon=True)
     th.start()
     t_db0 = admin.execute("SELECT clock_timestamp()").fetchone()[0]
+    admin.execute("SELECT pg_stat_statements_reset()")
     try:
-        rows = asyncio.run(_paced_cancels(broker.url, targets))
+        rows = asyncio.run(_paced_cancels(broker, targets))
     finally:
         stop.set()
         th.join(60)
     # let the last fire timers go out, then count what fired during the window
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline and admin.execute(
-            "SELECT EXISTS (SELECT 1 FROM queen.timers WHERE queue = %s AND timer_key LIKE 'lf-%%')", (q,)).fetchone()[0]:
+            "SELECT EXISTS (SELECT 1 FROM queen.timers WHERE queue = %s AND timer_key LIKE 'lf%%')", (q,)).fetchone()[0]:
         time.sleep(0.1)
     fired, span, targets_fired = admin.execute("""
-        SELECT count(*) FILTER (WHERE m.transaction_id LIKE 'lf-%%'),
+        SELECT count(*) FILTER (WHERE m.transaction_id LIKE 'lf' || %s || '-%%'),
                extract(epoch FROM max(m.created_at) - min(m.created_at))::float8,
-               count(*) FILTER (WHERE m.transaction_id LIKE 'lc-%%')
+               count(*) FILTER (WHERE m.transaction_id LIKE 'lc' || %s || '-%%')
           FROM queen.messages m JOIN queen.partitions p ON p.id = m.partition_id
           JOIN queen.queues qq ON qq.id = p.queue_id
-         WHERE qq.name = %s AND m.created_at >= %s""", (q, t_db0)).fetchone()
+         WHERE qq.name = %s AND m.created_at >= %s""", (run, run, q, t_db0)).fetchone()
     lat = [r[1] for r in rows if r[0] == 200]
     outcomes: dict = {}
     for r in rows:
         k = f"{r[0]} {r[2]}"
         outcomes[k] = outcomes.get(k, 0) + 1
+    # where a cancel's time went on the server during the window (the broker's statements)
+    sql = admin.execute("""
+        SELECT calls, round(mean_exec_time::numeric, 3), round(max_exec_time::numeric, 2),
+               regexp_replace(left(query, 80), '\\s+', ' ', 'g')
+          FROM pg_stat_statements
+         WHERE dbid = (SELECT oid FROM pg_database WHERE datname = current_database())
+           AND (query ILIKE '%%cancel_timer%%' OR query ILIKE 'UPDATE queen.tenant_usage%%'
+                OR query ILIKE 'DELETE FROM queen.timers%%' OR query ILIKE '%%schedule_timers(%%'
+                OR query ILIKE '%%bump_tenant_usage%%' OR query ILIKE '%%fire_due_timers%%')
+         ORDER BY total_exec_time DESC LIMIT 8""").fetchall()
     admin.execute("DELETE FROM queen.timers WHERE queue = %s", (q,))
-    return {"seconds": seconds, "cancels": len(rows), "cancel_rate": cancel_rate, "fire_rate": fire_rate,
+    return {"server_sql": [[r[0], float(r[1]), float(r[2]), r[3]] for r in sql], "seconds": seconds, "cancels": len(rows), "cancel_rate": cancel_rate, "fire_rate": fire_rate,
             "scheduled": stats.get("scheduled", 0), "late_ticks": stats.get("late_ticks", 0),
             "fired": fired, "fired_per_s": fired / span if span else None,
             "p50_ms": pct(lat, 50) * 1000 if lat else None, "p99_ms": pct(lat, 99) * 1000 if lat else None,
@@ -368,4 +444,7 @@ def bench_cancel(url: str, broker: Broker, res, n: int, rounds: int, http_n: int
             f"({out['fired_per_s'] or 0:.0f}/s); cancel targets fired {out['targets_fired']}")
         log(f"  DELETE latency: n {out['cancels']}  p50 {out['p50_ms'] or 0:.2f} ms  p99 {out['p99_ms'] or 0:.2f} ms  "
             f"max {out['max_ms'] or 0:.2f} ms  {out['outcomes']}  (target p99 <= 5 ms)")
+        log("  server side during the window (calls, mean ms, max ms, statement):")
+        for r in out["server_sql"]:
+            log(f"    {r[0]:>6} {r[1]:>8.3f} {r[2]:>8.2f}  {r[3]}")
         res.put("cancel_load", **{k: (round(v, 3) if isinstance(v, float) else v) for k, v in out.items()})
