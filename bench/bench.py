@@ -189,7 +189,7 @@ def main() -> int:
     ap.add_argument("--pg-restart-seconds", type=float, default=20)
     ap.add_argument("--pool-clients", type=int, default=48)
     ap.add_argument("--cancel-n", type=int, default=10000, help="single cancels per SQL run")
-    ap.add_argument("--cancel-rounds", type=int, default=5, help="alternating rounds (>= 5)")
+    ap.add_argument("--cancel-rounds", type=int, default=7, help="alternating rounds (>= 5)")
     ap.add_argument("--cancel-http-n", type=int, default=3000, help="HTTP DELETEs per run")
     ap.add_argument("--cancel-load-seconds", type=float, default=20)
     ap.add_argument("--fsync", default="on", choices=("on", "off"))

@@ -73,6 +73,7 @@ def sql_run(client, admin, method: str, n: int) -> dict:
     seed(admin, n)
     before = counter(admin)
     sql = CANCEL_SQL if method == "cancel_timer" else BARE_SQL
+    admin.execute("SELECT pg_stat_statements_reset()")
     lat = []
     hits = 0
     t0 = time.perf_counter()
@@ -86,7 +87,13 @@ def sql_run(client, admin, method: str, n: int) -> dict:
             hits += row is not None
     secs = time.perf_counter() - t0
     out = _summary(lat, secs)
-    out.update(hits=hits, left=left(admin), counter_drop=before - counter(admin))
+    # the server's own time per call (top-level statement, pg_stat_statements)
+    server = admin.execute("""SELECT mean_exec_time FROM pg_stat_statements
+                               WHERE calls >= %s AND query LIKE %s""",
+                           (n, "SELECT queen.cancel_timer(%" if method == "cancel_timer"
+                            else "DELETE FROM queen.timers WHERE (tenant, queue, timer_key)%")).fetchone()
+    out.update(hits=hits, left=left(admin), counter_drop=before - counter(admin),
+               server_us=server[0] * 1000 if server else None)
     return out
 
 
@@ -388,19 +395,23 @@ def bench_cancel(url: str, broker: Broker, res, n: int, rounds: int, http_n: int
                     out = sql_run(client, admin, method, n)
                     sql_runs[method].append(out)
                     log(f"  round {r + 1} {method:12s}: {out['per_s']:7.0f} cancels/s  p50 {out['p50_ms']:.3f} ms  "
-                        f"p99 {out['p99_ms']:.3f} ms  (hits {out['hits']}, left {out['left']}, "
-                        f"counter -{out['counter_drop']})")
+                        f"p99 {out['p99_ms']:.3f} ms  server {out['server_us'] or 0:.1f} us/call  "
+                        f"(hits {out['hits']}, left {out['left']}, counter -{out['counter_drop']})")
         finally:
             broker.proc.send_signal(signal.SIGCONT)
-        med = {m: {k: statistics.median(x[k] for x in v) for k in ("per_s", "p50_ms", "p99_ms")}
+        med = {m: {k: statistics.median(x[k] or 0 for x in v) for k in ("per_s", "p50_ms", "p99_ms", "server_us")}
                for m, v in sql_runs.items()}
         ratios = [a["per_s"] / b["per_s"] for a, b in zip(sql_runs["cancel_timer"], sql_runs["bare_delete"])]
         for m, v in med.items():
-            log(f"  median {m:12s}: {v['per_s']:7.0f} cancels/s  p50 {v['p50_ms']:.3f} ms  p99 {v['p99_ms']:.3f} ms")
+            log(f"  median {m:12s}: {v['per_s']:7.0f} cancels/s  p50 {v['p50_ms']:.3f} ms  p99 {v['p99_ms']:.3f} ms  "
+                f"server {v['server_us']:.1f} us/call")
         ratio = med["cancel_timer"]["per_s"] / med["bare_delete"]["per_s"]
+        p50_ratio = med["bare_delete"]["p50_ms"] / med["cancel_timer"]["p50_ms"]
         log(f"  ratio cancel_timer / bare delete: {ratio:.2f} (medians; per-round "
             f"{', '.join(f'{x:.2f}' for x in ratios)}; median of per-round ratios {statistics.median(ratios):.2f}) "
             f"(target >= 0.8)")
+        log(f"  same ratio by p50 latency (bare p50 / cancel_timer p50): {p50_ratio:.2f}; server time per call "
+            f"{med['cancel_timer']['server_us']:.1f} vs {med['bare_delete']['server_us']:.1f} us")
         bad = [x for x in sql_runs["cancel_timer"] if x["hits"] != n or x["counter_drop"] != n or x["left"]]
         if bad:
             log(f"  WARNING: {len(bad)} cancel_timer runs did not cancel all {n} (or the counter moved otherwise)")
@@ -408,7 +419,8 @@ def bench_cancel(url: str, broker: Broker, res, n: int, rounds: int, http_n: int
                 median={m: {k: round(x, 3) for k, x in v.items()} for m, v in med.items()},
                 runs={m: [{k: (round(x, 3) if isinstance(x, float) else x) for k, x in o.items()} for o in v]
                       for m, v in sql_runs.items()},
-                ratio_medians=round(ratio, 3), ratio_per_round=[round(x, 3) for x in ratios])
+                ratio_medians=round(ratio, 3), ratio_per_round=[round(x, 3) for x in ratios],
+                ratio_p50=round(p50_ratio, 3))
 
         log(f"\n== cancel over HTTP: DELETE /api/v1/timers/:queue/:key, {http_n} per run, 1 and 4 clients, "
             f"{rounds} alternating rounds ==")
