@@ -320,6 +320,7 @@ def under_load(url: str, broker: Broker, admin, seconds: float, fire_rate: int, 
     tick = 0.05
     fire_delay_ms, cancel_delay_ms, cancel_after = 1000, 2500, 1.25
     q = QUEUE + "-load"
+    admin.execute("SELECT queen.resume_fire()")  # whatever an earlier section left
     admin.execute("DELETE FROM queen.timers WHERE queue = %s", (q,))
     admin.execute("SELECT queen.lock_partition(%s, 'Default')", (q,))
     per_cancel = round(cancel_rate * tick)
