@@ -21,12 +21,14 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from harness import OUT, Cluster, Results, connect, load_timers, log, start_broker  # noqa: E402
+import cancel  # noqa: E402
 import drills  # noqa: E402
 import failover  # noqa: E402
 import perf  # noqa: E402
 import retention  # noqa: E402
 
-SECTIONS = ("fire", "schedule", "lag", "growth", "profile", "retention", "kill", "pgrestart", "pool", "failover")
+SECTIONS = ("fire", "schedule", "lag", "growth", "profile", "retention", "cancel", "kill", "pgrestart", "pool",
+            "failover")
 
 
 def machine() -> dict:
@@ -195,6 +197,10 @@ def main() -> int:
     ap.add_argument("--failover-seconds", type=float, default=30)
     ap.add_argument("--failover-detect-s", type=float, default=1.0,
                     help="seconds between the primary's SIGKILL and pg_ctl promote")
+    ap.add_argument("--cancel-n", type=int, default=10000, help="single cancels per SQL run")
+    ap.add_argument("--cancel-rounds", type=int, default=7, help="alternating rounds (>= 5)")
+    ap.add_argument("--cancel-http-n", type=int, default=3000, help="HTTP DELETEs per run")
+    ap.add_argument("--cancel-load-seconds", type=float, default=20)
     ap.add_argument("--fsync", default="on", choices=("on", "off"))
     args = ap.parse_args()
     if args.quick:
@@ -203,6 +209,7 @@ def main() -> int:
         args.kills, args.pg_restart_seconds, args.pool_clients = 5, 9, 16
         args.failover_seconds = 10
         args.retention_n, args.retention_backlog = 5000, 100000
+        args.cancel_n, args.cancel_http_n, args.cancel_load_seconds = 1000, 500, 5
     only = {s.strip() for s in args.only.split(",") if s.strip()}
     bad = only - set(SECTIONS)
     if bad:
@@ -222,7 +229,7 @@ def main() -> int:
             f"PostgreSQL {m['postgresql']} (fsync={args.fsync}); cluster {cluster.dir} port {cluster.port}")
         res.put("machine", **m, args=vars(args))
         url = cluster.create_db("queen_bench")
-        perf_sections = only & {"fire", "schedule", "lag", "growth", "profile"}
+        perf_sections = only & {"fire", "schedule", "lag", "growth", "profile", "cancel"}
         if perf_sections:
             broker = start_broker(url, "perf")
 
@@ -241,6 +248,8 @@ def main() -> int:
                 args.rounds)
         section("lag", perf.bench_lag, url, broker, res, args.lag_rate, args.lag_seconds)
         section("profile", bench_profile, url, broker, res, args.fire_n)
+        section("cancel", cancel.bench_cancel, url, broker, res, args.cancel_n, args.cancel_rounds,
+                args.cancel_http_n, args.cancel_load_seconds, args.lag_rate)
         section("growth", perf.bench_growth, url, broker, res, [int(x) for x in args.growth_sizes.split(",")],
                 args.growth_batch, args.lag_rate, args.growth_lag_seconds,
                 profile_cb=lambda conn, size: (OUT / f"explain-pending-{size}.txt").write_text(

@@ -7,4 +7,5 @@ INSERT INTO queen.schema_migrations (version, name) VALUES
     (2, 'log_tenancy'),
     (3, 'timer_stats'),
     (4, 'input_limits'),
-    (5, 'log_retention');
+    (5, 'log_retention'),
+    (6, 'cancel_fast');

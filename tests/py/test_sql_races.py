@@ -88,6 +88,7 @@ def test_cancel_waits_for_a_claim_then_answers_too_late(db, sessions):
     assert cancel.join() == [("too_late",)]
     row = db.execute("SELECT claimed_by, lease_until > now() AS held FROM queen.timers WHERE timer_key = 'k'").fetchone()
     assert row == {"claimed_by": "b1", "held": True}
+    assert db.execute("SELECT pending_timers FROM queen.tenant_usage").fetchone()["pending_timers"] == 1
 
 
 def test_cancel_waiting_on_a_claim_that_rolls_back_cancels(db, sessions):
@@ -101,6 +102,62 @@ def test_cancel_waiting_on_a_claim_that_rolls_back_cancels(db, sessions):
 
     assert cancel.join() == [("cancelled",)]
     assert db.execute("SELECT count(*) AS n FROM queen.timers").fetchone()["n"] == 0
+
+
+def pending(db) -> int:
+    row = db.execute("SELECT pending_timers FROM queen.tenant_usage WHERE tenant = 'acme'").fetchone()
+    return row["pending_timers"] if row else 0
+
+
+def test_cancel_waiting_on_a_claim_that_backs_off_cancels(db, sessions):
+    """The claim ends in a failed fire (backoff drops the lease): the waiting
+    cancel deletes the row it was waiting for, and counts it once."""
+    claimer, canceller = sessions
+    schedule(db, "k")
+    schedule(db, "bystander")  # the counter must not be clamped at 0 into looking right
+    claim = claimer.execute("SELECT claim_id FROM queen.claim_timers('b1', 10, 60000) WHERE timer_key = 'k'").fetchone()[0]
+
+    cancel = Background(canceller, "SELECT queen.cancel_timer('acme', 'races', 'k')")
+    wait_until_blocked_on_lock(db, pid_of(canceller))
+    assert claimer.execute("SELECT queen.fail_timer('acme', 'races', 'k', %s, 'transient', 'no', 5, 60000)",
+                           (claim,)).fetchone() == ("backoff",)
+    claimer.commit()
+
+    assert cancel.join() == [("cancelled",)]
+    assert db.execute("SELECT timer_key FROM queen.timers").fetchall() == [{"timer_key": "bystander"}]
+    assert pending(db) == 1
+
+
+def test_cancel_waiting_on_a_fire_answers_absent(db, sessions):
+    """The row is delivered while the cancel waits: absent (no longer pending),
+    and only the fire takes it off the counter."""
+    firer, canceller = sessions
+    schedule(db, "k")
+    schedule(db, "bystander")
+    db.execute("UPDATE queen.timers SET deliver_at = now() + interval '1 hour' WHERE timer_key = 'bystander'")
+    assert firer.execute("SELECT count(*) FROM queen.fire_due_timers(10)").fetchone() == (1,)  # not committed
+
+    cancel = Background(canceller, "SELECT queen.cancel_timer('acme', 'races', 'k')")
+    wait_until_blocked_on_lock(db, pid_of(canceller))
+    firer.commit()
+
+    assert cancel.join() == [("absent",)]
+    assert db.execute("SELECT count(*) AS n FROM queen.messages WHERE transaction_id = 'txn-k'").fetchone()["n"] == 1
+    assert pending(db) == 1
+
+
+def test_two_cancels_of_one_key_count_it_once(db, sessions):
+    first, second = sessions
+    schedule(db, "k")
+    schedule(db, "bystander")
+    assert first.execute("SELECT queen.cancel_timer('acme', 'races', 'k')").fetchall() == [("cancelled",)]  # not committed
+
+    late = Background(second, "SELECT queen.cancel_timer('acme', 'races', 'k')")
+    wait_until_blocked_on_lock(db, pid_of(second))
+    first.commit()
+
+    assert late.join() == [("absent",)]
+    assert pending(db) == 1
 
 
 def test_batch_cancel_waits_for_a_claim_then_answers_too_late(db, sessions):
