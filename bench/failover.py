@@ -116,7 +116,7 @@ async def _clients(urls: list[str], seconds: float, clients: int, ops: int, mark
                     slowest = max(slowest, time.monotonic() - t0)
                 codes[r.status_code] = codes.get(r.status_code, 0) + 1
                 if r.status_code == 200:
-                    accepted.extend((v["txn"], v["deliverAt"]) for v in r.json() if v["ok"])
+                    accepted.extend((v["txn"], v["deliverAt"]) for v in r.json()["results"] if v["ok"])
                     if "promoted" in marks and "first_200" not in marks:
                         marks["first_200"] = time.monotonic()
                     continue

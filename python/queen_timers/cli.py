@@ -521,7 +521,7 @@ def cmd_schedule(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
         progress.finish()
 
     if args.json:
-        emit_json(verdicts)
+        emit_json({"results": verdicts})  # the envelope of POST /api/v1/timers
     else:
         _print_verdicts(verdicts)
     return EXIT_OK if all(v["ok"] for v in verdicts) else EXIT_FAIL

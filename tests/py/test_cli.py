@@ -134,7 +134,7 @@ def test_unreachable_database_is_one_clear_line():
 def test_schedule_peek_cancel_round_trip(db, database_url):
     proc = run("schedule", "reminders", "trial:acme:day7", "--delay-ms", "604800000",
                "--txn", "trial-acme-day7-v1", "--payload", '{"kind":"day7"}', "--json", url=database_url)
-    [verdict] = ok_json(proc)
+    [verdict] = ok_json(proc)["results"]  # the envelope of POST /api/v1/timers
     assert verdict["ok"] is True and verdict["status"] == "scheduled"
     assert verdict["queue"] == "reminders" and verdict["timerKey"] == "trial:acme:day7"
     row = db.execute("SELECT * FROM queen.peek_timer('default', 'reminders', 'trial:acme:day7')").fetchone()
@@ -153,7 +153,7 @@ def test_schedule_peek_cancel_round_trip(db, database_url):
 
     # a reschedule through the CLI answers rescheduled, with a new message id
     [again] = ok_json(run("schedule", "reminders", "trial:acme:day7", "--reschedule", "--delay-ms", "1000",
-                          "--payload-base64", payloads.encode_base64(b"\x00\xff"), "--json", url=database_url))
+                          "--payload-base64", payloads.encode_base64(b"\x00\xff"), "--json", url=database_url))["results"]
     assert again["status"] == "rescheduled" and again["messageId"] != verdict["messageId"]
     human = run("peek", "reminders", "trial:acme:day7", url=database_url)
     assert "payload (base64)  AP8=" in human.stdout
@@ -189,7 +189,7 @@ def test_bad_payload_writes_nothing(db, database_url):
 def test_zstd_payload_is_stored_as_sent(db, database_url):
     frame = zstandard.ZstdCompressor().compress(b"hello " * 100)
     [v] = ok_json(run("schedule", "z", "k", "--delay-ms", "60000", "--txn", "t", "--zstd",
-                      "--payload-base64", payloads.encode_base64(frame), "--json", url=database_url))
+                      "--payload-base64", payloads.encode_base64(frame), "--json", url=database_url))["results"]
     assert v["status"] == "scheduled"
     row = db.execute("SELECT payload, payload_zstd FROM queen.timers").fetchone()
     assert row["payload_zstd"] is True and bytes(row["payload"]) == frame
@@ -273,7 +273,7 @@ def test_bulk_file_json_and_no_progress_when_not_a_terminal(db, database_url, tm
     rows = _rows_file(tmp_path / "rows.jsonl", 30)
     proc = run("schedule", "--file", "-", "--json", url=database_url, stdin=rows.read_text(),
                env={"QUEEN_TIMERS_MAX_OPS": "8"})
-    verdicts = ok_json(proc)
+    verdicts = ok_json(proc)["results"]
     assert len(verdicts) == 30 and {v["status"] for v in verdicts} == {"scheduled"}
     assert proc.stderr == ""
     proc = run("schedule", "--file", str(rows), "--no-progress", url=database_url)
@@ -303,7 +303,7 @@ def test_bulk_file_with_cancels_exits_1_when_one_is_not_ok(db, database_url, tmp
         {"op": "cancel", "queue": "q", "timerKey": "never"},
     ]) + "\n")
     proc = run("schedule", "--file", str(f), "--json", url=database_url)
-    verdicts = ok_json(proc, 1)
+    verdicts = ok_json(proc, 1)["results"]
     assert [v["status"] for v in verdicts] == ["scheduled", "absent"]
 
 
