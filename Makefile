@@ -2,7 +2,7 @@
 .DEFAULT_GOAL := help
 SHELL := /bin/bash
 
-.PHONY: help run test bench install stop-db migration-initial psql
+.PHONY: help run test bench install stop-db psql
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-18s %s\n", $$1, $$2}'
@@ -25,5 +25,3 @@ stop-db:  ## stop this checkout's embedded cluster (.queen/pg), saying which
 psql:  ## psql into the queen database (QUEEN_DATABASE_URL, or this checkout's embedded cluster)
 	@scripts/psql
 
-migration-initial:  ## until 0.1.0 ships: rebuild migration 001 from the canonical schema
-	@cat $$(ls sql/schema/*.sql | grep -v '/99_') > sql/migrations/001_initial.sql
