@@ -17,6 +17,7 @@ import time
 
 import psycopg
 import pytest
+from timers_util import op, post
 
 TENANT = "acme"
 QUOTA = 12
@@ -209,3 +210,24 @@ def test_a_fold_skips_a_locked_counter_row_and_an_uncommitted_delta(database_url
     assert db.execute("SELECT queen.fold_pending_deltas()").fetchone()["fold_pending_deltas"] == 1
     base = db.execute("SELECT pending_timers FROM queen.tenant_usage WHERE tenant = %s", (TENANT,)).fetchone()
     assert base["pending_timers"] == 2 == real_count(db)
+
+
+def test_the_brokers_sweeper_folds_the_deltas(client, db):
+    """Cancels over HTTP and fires by the broker's own sweeper leave deltas; the sweeper folds
+    them into the counter row within seconds, and every reader agrees with the rows."""
+    keys = [f"f{i}" for i in range(6)]
+    assert post(client, *[op("schedule", k) for k in keys], op("schedule", "due", delayMs=-1000)).status_code == 200
+    for k in keys[:4]:
+        assert client.delete(f"/api/v1/timers/reminders/{k}").json()["status"] == "cancelled"
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        left = db.execute("SELECT count(*) AS n FROM queen.tenant_usage_deltas").fetchone()["n"]
+        fired = db.execute("SELECT count(*) AS n FROM queen.timers WHERE timer_key = 'due'").fetchone()["n"] == 0
+        if left == 0 and fired:
+            break
+        time.sleep(0.2)
+    else:
+        pytest.fail("the sweeper never folded the deltas (or never fired the due timer)")
+    base = db.execute("SELECT pending_timers FROM queen.tenant_usage WHERE tenant = 'default'").fetchone()
+    assert base["pending_timers"] == 2 == db.execute("SELECT count(*) AS n FROM queen.timers").fetchone()["n"]
+    assert db.execute("SELECT pending FROM queen.get_timer_status()").fetchone()["pending"] == 2
