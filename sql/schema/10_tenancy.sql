@@ -53,11 +53,14 @@ CREATE TABLE queen.tenant_usage (
 -- once a second) moves them into the base row, so the table stays small
 -- and a per-tenant sum over it is a scan of a few pages. Only ever
 -- negative (a CHECK): every increment is taken under the base row's lock.
+-- Vacuumed after every 1000 dead rows; never truncated by vacuum (the
+-- truncation's ACCESS EXCLUSIVE lock would stall the appends a moment).
 CREATE TABLE queen.tenant_usage_deltas (
     tenant              text NOT NULL,
     pending_delta       bigint NOT NULL,
     CONSTRAINT pending_delta_negative CHECK (pending_delta < 0)
-) WITH (autovacuum_vacuum_scale_factor = 0, autovacuum_vacuum_threshold = 1000);
+) WITH (autovacuum_vacuum_scale_factor = 0, autovacuum_vacuum_threshold = 1000,
+        vacuum_truncate = false);
 
 -- Token buckets for the rate rung; one row per tenant, refilled lazily.
 CREATE TABLE queen.rate_buckets (
