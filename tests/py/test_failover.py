@@ -180,7 +180,7 @@ def test_peek_and_list_read_the_standby_verdicts_go_to_the_primary(pair, tmp_pat
     try:
         with connect(pair.primary) as prim, connect(pair.standby) as stby, b.client() as c:
             r = post(c, schedule_op("r1"))
-            assert r.status_code == 200 and r.json()[0]["status"] == "scheduled", r.text
+            assert r.status_code == 200 and r.json()["results"][0]["status"] == "scheduled", r.text
             wait_until(lambda: replayed(stby, prim), 10, message="the standby to replay r1")
             assert c.get("/api/v1/timers/fo/r1").json()["found"] is True
             # the read pool's sessions are on the standby; nothing of the broker's writes is
@@ -195,7 +195,7 @@ def test_peek_and_list_read_the_standby_verdicts_go_to_the_primary(pair, tmp_pat
                 # POST commits on the primary (synchronous_commit=on waits for the standby's flush,
                 # not its replay); the standby cannot show it yet
                 r = post(c, schedule_op("r2"))
-                assert r.status_code == 200 and r.json()[0]["status"] == "scheduled", r.text
+                assert r.status_code == 200 and r.json()["results"][0]["status"] == "scheduled", r.text
                 assert prim.execute("SELECT count(*) AS n FROM queen.timers WHERE timer_key = 'r2'"
                                     ).fetchone()["n"] == 1
                 assert c.get("/api/v1/timers/fo/r2").json() == {"found": False}
@@ -351,7 +351,7 @@ async def _load(pair: Pair, urls: list[str], seconds: float, prefix: str) -> dic
                     continue
                 codes[r.status_code] = codes.get(r.status_code, 0) + 1
                 if r.status_code == 200:
-                    accepted.extend(v["txn"] for v in r.json() if v["ok"])
+                    accepted.extend(v["txn"] for v in r.json()["results"] if v["ok"])
                     if "promoted" in marks and "after" not in marks:
                         marks["after"] = time.monotonic()  # first 200 after the promotion
                 else:

@@ -28,8 +28,8 @@ def test_counts_per_queue_and_the_due_histogram(client, db):
     # margins of 20 s and more against the bucket edges: the machine may be slow
     r = post(client, op("schedule", "a1", "alpha", delayMs=340_000), op("schedule", "a2", "alpha", delayMs=345_000),
              op("schedule", "a3", "alpha", delayMs=7_200_000), op("schedule", "b1", "beta", delayMs=40_000))
-    assert [v["status"] for v in r.json()] == ["scheduled"] * 4
-    deliver = {v["timerKey"]: v["deliverAt"] for v in r.json()}
+    assert [v["status"] for v in r.json()["results"]] == ["scheduled"] * 4
+    deliver = {v["timerKey"]: v["deliverAt"] for v in r.json()["results"]}
 
     r = client.get(STATS)
     assert r.status_code == 200, r.text
