@@ -46,17 +46,18 @@ def seed(conn, n: int, queue: str = QUEUE) -> None:
     conn.execute("DELETE FROM queen.timers WHERE queue = %s", (queue,))
     load_timers(conn, queue=queue, n=n, prefix="c", expected=False,
                 deliver_sql="now() + interval '30 days'")
+    conn.execute("DELETE FROM queen.tenant_usage_deltas WHERE tenant = %s", (TENANT,))
     conn.execute("""UPDATE queen.tenant_usage
                        SET pending_timers = (SELECT count(*) FROM queen.timers WHERE tenant = %(t)s)
                      WHERE tenant = %(t)s""", {"t": TENANT})
     conn.execute("VACUUM ANALYZE queen.timers")
     conn.execute("VACUUM ANALYZE queen.tenant_usage")
+    conn.execute("VACUUM ANALYZE queen.tenant_usage_deltas")
     conn.execute("CHECKPOINT")
 
 
 def counter(conn) -> int:
-    row = conn.execute("SELECT pending_timers FROM queen.tenant_usage WHERE tenant = %s", (TENANT,)).fetchone()
-    return row[0] if row else 0
+    return conn.execute("SELECT queen.get_pending_timers(%s)", (TENANT,)).fetchone()[0]
 
 
 def left(conn, queue: str = QUEUE) -> int:
@@ -366,6 +367,7 @@ def under_load(url: str, broker: Broker, admin, seconds: float, fire_rate: int, 
           FROM pg_stat_statements
          WHERE dbid = (SELECT oid FROM pg_database WHERE datname = current_database())
            AND (query ILIKE '%%cancel_timer%%' OR query ILIKE 'UPDATE queen.tenant_usage%%'
+                OR query ILIKE 'INSERT INTO queen.tenant_usage%%' OR query ILIKE '%%fold_pending_deltas%%'
                 OR query ILIKE 'DELETE FROM queen.timers%%' OR query ILIKE '%%schedule_timers(%%'
                 OR query ILIKE '%%bump_tenant_usage%%' OR query ILIKE '%%fire_due_timers%%')
          ORDER BY total_exec_time DESC LIMIT 8""").fetchall()

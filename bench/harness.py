@@ -253,7 +253,7 @@ def load_timers(conn: psycopg.Connection, *, queue: str, n: int, prefix: str,
 
 def reset(conn: psycopg.Connection) -> None:
     """Empty the timers, the log and the bench's expectations; resume everything."""
-    conn.execute("TRUNCATE queen.timers, queen.messages, queen.dead_letter_queue, queen.tenant_usage, "
+    conn.execute("TRUNCATE queen.timers, queen.messages, queen.dead_letter_queue, queen.tenant_usage, queen.tenant_usage_deltas, "
                  "queen.rate_buckets, bench.expected")
     conn.execute("UPDATE queen.cell_settings SET fire_paused = false, scheduling_paused = false")
 

@@ -36,6 +36,7 @@ def vacuum(conn, *tables: str) -> None:
 
 def _reload(conn, queue: str, n: int, prefix: str) -> None:
     conn.execute("TRUNCATE queen.timers, queen.messages, bench.expected")
+    conn.execute("DELETE FROM queen.tenant_usage_deltas")
     conn.execute("UPDATE queen.tenant_usage SET pending_timers = 0")
     load_timers(conn, queue=queue, n=n, prefix=prefix, expected=False)
     vacuum(conn)
@@ -258,6 +259,7 @@ def bench_schedule_throughput(url: str, broker: Broker, res, n_batches: int, cli
         for r in range(rounds):
             for method in ("sql", "http"):
                 conn.execute("TRUNCATE queen.timers, bench.expected")
+                conn.execute("DELETE FROM queen.tenant_usage_deltas")
                 conn.execute("UPDATE queen.tenant_usage SET pending_timers = 0")
                 vacuum(conn, "queen.timers")
                 batches, _ = _ops(n_batches, f"s{r}")
@@ -275,6 +277,7 @@ def bench_schedule_throughput(url: str, broker: Broker, res, n_batches: int, cli
                 log(f"  round {r + 1} {method:4s}: {total / secs:8.0f} ops/s ({secs:.2f} s, {got} rows)")
                 best[method] = max(best.get(method, 0), total / secs)
         conn.execute("TRUNCATE queen.timers")
+        conn.execute("DELETE FROM queen.tenant_usage_deltas")
         conn.execute("UPDATE queen.tenant_usage SET pending_timers = 0")
     ratio = best["http"] / best["sql"] if "http" in best else None
     if ratio is not None:

@@ -75,6 +75,7 @@ def bench_retention(url: str, perf_broker, res, n: int, backlog: int, rounds: in
                     conn.execute("UPDATE queen.queues SET retention_enabled = false WHERE tenant = 'default' AND name = %s", (LOG_QUEUE,))
                     _top_up(conn, backlog, f"bl{r}{mode}")
                     conn.execute("TRUNCATE queen.timers")
+                    conn.execute("DELETE FROM queen.tenant_usage_deltas")
                     conn.execute("UPDATE queen.tenant_usage SET pending_timers = 0")
                     load_timers(conn, queue=queue, n=n, prefix=f"ret{r}{mode}", expected=False)
                     conn.execute("VACUUM ANALYZE queen.timers")

@@ -8,7 +8,11 @@ Each cycle:
   3. when a batch raises, isolate: fire the claimed rows one by one and call
      queen.fail_timer for the ones that fail, classified by SQLSTATE
      (transient: back off, no attempt spent; permanent/config: spend one);
-  4. sleep: not at all after a full batch, otherwise until the next due timer
+  4. about once a second, queen.fold_pending_deltas: the pending-counter
+     decrements (fire, cancel, DLQ) appended since are folded into the tenants'
+     counter rows, so the delta table stays small (any number of brokers may
+     fold at once: it skips what another holds and never waits);
+  5. sleep: not at all after a full batch, otherwise until the next due timer
      as PostgreSQL computes it (queen.next_timer_due_ms), clamped to
      [QUEEN_SWEEPER_MIN_SLEEP_MS, QUEEN_SWEEPER_MAX_SLEEP_MS], and woken early by
      NOTIFY queen_timers when a timer is scheduled before the planned wake-up.
@@ -54,6 +58,10 @@ SELECT * FROM queen.fire_timers(
            FROM unnest(%s::text[], %s::text[], %s::text[], %s::bytea[]) AS f(tenant, queue, timer_key, payload)))
 """)
 FAIL = "SELECT queen.fail_timer(%s, %s, %s, %s, %s, %s, %s, %s, %s) AS verdict"
+FOLD = "SELECT queen.fold_pending_deltas(%s) AS n"
+FOLD_EVERY_S = 1.0  # at most this often per broker
+FOLD_LIMIT = 10000  # delta rows per call; another call follows at once while a call comes back full
+FOLD_CALLS_MAX = 10  # calls per cycle, so a huge backlog cannot starve the fire
 NEXT_DUE = "SELECT queen.next_timer_due_ms() AS ms, extract(epoch FROM clock_timestamp())::float8 AS db_now"
 
 LEASED_SKIPS_MAX = 3  # full fast cycles in a row that may skip an idle leased path
@@ -100,6 +108,8 @@ class Sweeper:
         self._sleeping = False
         self._leased_idle = False
         self._leased_skips = 0
+        self._next_fold = 0.0
+        self.folded = 0
         self.cycles = 0
 
     # ------------------------------------------------------------------
@@ -207,6 +217,8 @@ class Sweeper:
             log.warning("sweeper %s: fire_due_timers failed (%s, %s); isolating row by row",
                         self.settings.broker_id, classify_failure(exc), _error_text(exc))
             isolate = True
+        if time.monotonic() >= self._next_fold:
+            await self._fold()
         if fast >= batch and not isolate and self._leased_idle and self._leased_skips < LEASED_SKIPS_MAX:
             # a backlog of plain timers and no zstd one last time: spare the claim round
             # trip for a few full cycles (a zstd timer waits at most that many batches)
@@ -254,6 +266,21 @@ class Sweeper:
                 continue
             self.metrics.observe_fires(summary)
         return len(rows)
+
+    async def _fold(self) -> None:
+        """Fold pending-counter deltas into the counter rows (bounded; a failure only logs)."""
+        self._next_fold = time.monotonic() + FOLD_EVERY_S
+        try:
+            for _ in range(FOLD_CALLS_MAX):
+                n = (await self._fetch(FOLD, (FOLD_LIMIT,)))[0]["n"]
+                self.folded += n
+                if n < FOLD_LIMIT:
+                    break
+        except Exception as exc:
+            if _lost_primary(self._conn, exc) or _connection_broken(self._conn):
+                raise
+            log.warning("sweeper %s: fold_pending_deltas failed (%s); next try in %.0f s",
+                        self.settings.broker_id, _error_text(exc), FOLD_EVERY_S)
 
     def _frame(self, row: dict) -> tuple:
         """The queen.fire_frame for a claimed row: payload NULL = the stored bytes."""

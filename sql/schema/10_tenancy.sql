@@ -30,15 +30,37 @@ CREATE TABLE queen.tenants (
     created_at          timestamptz NOT NULL DEFAULT now()
 );
 
--- Per-tenant counters. pending_timers is kept by the timer functions
--- (schedule +1 per new row, cancel/fire/DLQ -1); billed_messages counts
--- every accepted schedule and reschedule (cancel and fire count zero).
+-- Per-tenant counters. billed_messages counts every accepted schedule
+-- and reschedule (cancel and fire count zero). pending_timers is the BASE
+-- of the tenant's pending count: the true count is pending_timers plus
+-- the sum of the tenant's rows in queen.tenant_usage_deltas (read it with
+-- queen.get_pending_timers, never this column alone). Increments (a
+-- schedule creating rows) are written here, under this row's lock, which
+-- also serialises the quota decisions of one tenant; decrements (fire,
+-- cancel, DLQ move) go to the delta table, so they never wait on this row.
 CREATE TABLE queen.tenant_usage (
     tenant              text PRIMARY KEY,
     pending_timers      bigint NOT NULL DEFAULT 0,
     billed_messages     bigint NOT NULL DEFAULT 0,
     updated_at          timestamptz NOT NULL DEFAULT now()
 );
+
+-- Append-only decrements of tenant_usage.pending_timers (issue 12): one
+-- row per fire batch and tenant, per cancel, per DLQ move. No index and
+-- no key: an INSERT here touches no row another transaction holds, so
+-- cancels and the brokers' fires never queue behind each other or behind
+-- a schedule. queen.fold_pending_deltas (each broker's sweeper, about
+-- once a second) moves them into the base row, so the table stays small
+-- and a per-tenant sum over it is a scan of a few pages. Only ever
+-- negative (a CHECK): every increment is taken under the base row's lock.
+-- Vacuumed after every 1000 dead rows; never truncated by vacuum (the
+-- truncation's ACCESS EXCLUSIVE lock would stall the appends a moment).
+CREATE TABLE queen.tenant_usage_deltas (
+    tenant              text NOT NULL,
+    pending_delta       bigint NOT NULL,
+    CONSTRAINT pending_delta_negative CHECK (pending_delta < 0)
+) WITH (autovacuum_vacuum_scale_factor = 0, autovacuum_vacuum_threshold = 1000,
+        vacuum_truncate = false);
 
 -- Token buckets for the rate rung; one row per tenant, refilled lazily.
 CREATE TABLE queen.rate_buckets (
@@ -155,17 +177,95 @@ BEGIN
 END
 $$;
 
--- Adjust a tenant's counters (one row write per call, not per op).
+-- Adjust a tenant's counters on the base row (one row write per call,
+-- not per op): takes the row's lock until commit, like every quota
+-- decision of the tenant. For increments and billing; a decrement alone
+-- should go to queen.tenant_usage_deltas instead (it must not queue).
+-- PL/pgSQL: the statement's plan is cached per session (a SQL function's
+-- body is planned again on every call).
 CREATE FUNCTION queen.bump_tenant_usage(
     p_tenant  text,
     p_pending bigint,
     p_billed  bigint)
 RETURNS void
-LANGUAGE sql AS $$
+LANGUAGE plpgsql AS $$
+BEGIN
     INSERT INTO queen.tenant_usage AS u (tenant, pending_timers, billed_messages)
     VALUES (p_tenant, greatest(p_pending, 0), p_billed)
     ON CONFLICT (tenant) DO UPDATE
         SET pending_timers  = greatest(0, u.pending_timers + p_pending),
             billed_messages = u.billed_messages + p_billed,
-            updated_at      = now()
+            updated_at      = now();
+END
+$$;
+
+-- A tenant's pending timers: the base row plus its unfolded deltas, read
+-- in ONE statement, so one snapshot sees a concurrent fold either wholly
+-- (deltas gone, base moved) or not at all. Never below 0; 0 without a
+-- counter row. Taken after the base row's lock (schedule_timers' quota
+-- re-check), the value is exact for the decision: see that function.
+CREATE FUNCTION queen.get_pending_timers(p_tenant text)
+RETURNS bigint
+LANGUAGE plpgsql STABLE AS $$
+DECLARE
+    v_n bigint;
+BEGIN
+    SELECT greatest(0, coalesce((SELECT u.pending_timers FROM queen.tenant_usage u WHERE u.tenant = p_tenant), 0)
+                     + coalesce((SELECT sum(d.pending_delta) FROM queen.tenant_usage_deltas d
+                                  WHERE d.tenant = p_tenant), 0))::bigint
+      INTO v_n;
+    RETURN v_n;
+END
+$$;
+
+-- Move up to p_limit delta rows into their tenants' base rows; returns
+-- how many were folded. Safe with any number of brokers calling it at
+-- once and never waits: delta rows are taken FOR UPDATE SKIP LOCKED (a
+-- concurrent fold takes others), and a tenant whose base row is locked
+-- (a schedule batch deciding its quota, or another fold) is skipped and
+-- its deltas stay for the next call. Deltas inserted by transactions not
+-- yet committed are not seen and stay too, so none is lost. Deltas of a
+-- tenant without a base row (an operator deleted it) are dropped, as the
+-- decrement of a missing row always was: a decrement never creates the
+-- counter row. The base never goes below 0. p_limit clamped to 1..100000.
+CREATE FUNCTION queen.fold_pending_deltas(p_limit integer DEFAULT 10000)
+RETURNS bigint
+LANGUAGE plpgsql AS $$
+DECLARE
+    v_picked  tid[];
+    v_tenants text[];
+    v_locked  text[];
+    v_n       bigint;
+BEGIN
+    SELECT array_agg(d.ctid), array_agg(DISTINCT d.tenant)
+      INTO v_picked, v_tenants
+      FROM (SELECT x.ctid, x.tenant FROM queen.tenant_usage_deltas x
+             LIMIT least(greatest(coalesce(p_limit, 10000), 1), 100000)
+               FOR UPDATE SKIP LOCKED) d;
+    IF v_picked IS NULL THEN
+        RETURN 0;
+    END IF;
+    -- the base rows free now, in tenant order; the others are skipped
+    SELECT array_agg(b.tenant) INTO v_locked
+      FROM (SELECT u.tenant FROM queen.tenant_usage u
+             WHERE u.tenant = ANY (v_tenants)
+             ORDER BY u.tenant
+               FOR UPDATE SKIP LOCKED) b;
+    WITH gone AS (
+        DELETE FROM queen.tenant_usage_deltas d
+         WHERE d.ctid = ANY (v_picked)
+           AND (d.tenant = ANY (coalesce(v_locked, '{}'))
+                OR NOT EXISTS (SELECT 1 FROM queen.tenant_usage u WHERE u.tenant = d.tenant))
+        RETURNING d.tenant, d.pending_delta
+    ), sums AS (
+        SELECT g.tenant, sum(g.pending_delta) AS delta, count(*) AS n FROM gone g GROUP BY g.tenant
+    ), upd AS (
+        UPDATE queen.tenant_usage u
+           SET pending_timers = greatest(0, u.pending_timers + s.delta), updated_at = now()
+          FROM sums s
+         WHERE u.tenant = s.tenant AND u.tenant = ANY (coalesce(v_locked, '{}'))
+    )
+    SELECT coalesce(sum(s.n), 0) INTO v_n FROM sums s;
+    RETURN v_n;
+END
 $$;

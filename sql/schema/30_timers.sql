@@ -203,7 +203,8 @@ $$;
 -- The common case is two statements: the DELETE of the unclaimed row
 -- (it takes the row lock delete_unclaimed_timer would take, so a cancel
 -- racing a claim waits for it and a claim skips a row being cancelled)
--- and the counter row's UPDATE, last, as every writer of it does. Only
+-- and the INSERT of a -1 into queen.tenant_usage_deltas, which waits on
+-- no other transaction (the tenant's counter row is not touched). Only
 -- when the DELETE finds nothing does delete_unclaimed_timer check the
 -- input and tell absent from too_late under the row lock; bad input
 -- always gets there, since it cannot match a row (the key columns are
@@ -229,9 +230,7 @@ BEGIN
             RETURN v_status;
         END IF;
     END IF;
-    UPDATE queen.tenant_usage
-       SET pending_timers = greatest(0, pending_timers - 1), updated_at = now()
-     WHERE tenant = p_tenant;
+    INSERT INTO queen.tenant_usage_deltas (tenant, pending_delta) VALUES (p_tenant, -1);
     RETURN 'cancelled';
 END
 $$;
@@ -288,8 +287,8 @@ BEGIN
           FROM unnest(p_ops) o
           LEFT JOIN queen.timers t
                  ON t.tenant = p_tenant AND t.queue = o.queue AND t.timer_key = o.timer_key;
-        SELECT coalesce((SELECT pending_timers FROM queen.tenant_usage WHERE tenant = p_tenant), 0)
-          INTO v_pending;
+        -- unlocked, a fast refusal; the exact decision is schedule_timers' re-check
+        v_pending := queen.get_pending_timers(p_tenant);
         IF v_new > 0 AND v_pending + v_new > l.max_pending_timers THEN
             RAISE EXCEPTION 'timers_quota_exceeded'
                 USING ERRCODE = 'QTQUO',
@@ -473,13 +472,35 @@ BEGIN
         v_out := v_out || v;
     END LOOP;
 
-    IF v_pending <> 0 OR v_billed <> 0 THEN
-        PERFORM queen.bump_tenant_usage(p_tenant, v_pending, v_billed);
+    -- Metering. A batch that creates rows or bills takes the tenant's
+    -- counter (base) row, with its lock until commit: every increment of
+    -- pending_timers happens under it. A batch that only frees rows (its
+    -- cancels) appends its decrement to the delta table, waiting on nobody.
+    IF v_pending > 0 OR v_billed <> 0 THEN
+        INSERT INTO queen.tenant_usage AS u (tenant, pending_timers, billed_messages)
+        VALUES (p_tenant, greatest(v_pending, 0), v_billed)
+        ON CONFLICT (tenant) DO UPDATE
+            SET pending_timers  = greatest(0, u.pending_timers + v_pending),
+                billed_messages = u.billed_messages + v_billed,
+                updated_at      = now();
+    ELSIF v_pending < 0 THEN
+        INSERT INTO queen.tenant_usage_deltas (tenant, pending_delta) VALUES (p_tenant, v_pending);
     END IF;
     -- The quota rung read the counter without a lock; re-check it under
-    -- the counter row's lock so that concurrent batches cannot overshoot.
+    -- the base row's lock so that concurrent batches cannot overshoot.
+    -- Exact at this moment: this statement runs after the lock was taken
+    -- (READ COMMITTED: a new snapshot), so it sees the base row as the
+    -- last holder of the lock left it plus our own increment, and every
+    -- delta committed before now. While we hold the lock no other batch
+    -- can add (increments happen only under it) and no fold can move
+    -- deltas of this tenant (it skips a locked base row), and a fold that
+    -- committed earlier is seen wholly (one snapshot, one statement).
+    -- The only changes we cannot see are decrements not yet committed
+    -- (fires, cancels, DLQ moves in flight): they can only make the count
+    -- read here too high, so the decision errs toward refusing, never
+    -- toward letting the tenant exceed its quota.
     IF l.max_pending_timers IS NOT NULL AND v_pending > 0 THEN
-        SELECT pending_timers INTO v_count FROM queen.tenant_usage WHERE tenant = p_tenant;
+        v_count := queen.get_pending_timers(p_tenant);
         IF v_count > l.max_pending_timers THEN
             RAISE EXCEPTION 'timers_quota_exceeded'
                 USING ERRCODE = 'QTQUO',

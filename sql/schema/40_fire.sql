@@ -88,7 +88,8 @@ $$;
 -- 400 ms). fire_due_timers joins no array and keeps its cached plan.
 
 -- Append the frames of deleted timer rows to the log, in expiry order,
--- and keep the tenants' pending counters. Internal to the fire. A frame
+-- and keep the tenants' pending counters (one delta row per tenant, in
+-- queen.tenant_usage_deltas: no counter row is locked). Internal to the fire. A frame
 -- goes into the queue of its timer's tenant.
 CREATE FUNCTION queen.append_timer_frames(p_rows queen.timers[], p_frames queen.fire_frame[] DEFAULT NULL)
 RETURNS SETOF queen.fire_result
@@ -100,9 +101,9 @@ BEGIN
     PERFORM queen.lock_partition(d.tenant, d.queue, d.partition)
        FROM (SELECT DISTINCT r.tenant, r.queue, r.partition FROM unnest(p_rows) r ORDER BY 1, 2, 3) d;
 
-    -- Counter rows in tenant order: two fires never wait on each other crosswise.
-    PERFORM queen.bump_tenant_usage(g.tenant, -g.n, 0)
-       FROM (SELECT r.tenant, count(*) AS n FROM unnest(p_rows) r GROUP BY r.tenant ORDER BY r.tenant) g;
+    -- One decrement per tenant, appended: no fire waits on a counter row.
+    INSERT INTO queen.tenant_usage_deltas (tenant, pending_delta)
+    SELECT r.tenant, -count(*) FROM unnest(p_rows) r GROUP BY r.tenant;
 
     RETURN QUERY
     WITH src AS (
@@ -297,9 +298,9 @@ BEGIN
     IF v_out IS NULL THEN
         RETURN;
     END IF;
-    -- Counter rows in tenant order: two fires never wait on each other crosswise.
-    PERFORM queen.bump_tenant_usage(g.tenant, -g.n, 0)
-       FROM (SELECT o.tenant, count(*) AS n FROM unnest(v_out) o GROUP BY o.tenant ORDER BY o.tenant) g;
+    -- One decrement per tenant, appended: no fire waits on a counter row.
+    INSERT INTO queen.tenant_usage_deltas (tenant, pending_delta)
+    SELECT o.tenant, -count(*) FROM unnest(v_out) o GROUP BY o.tenant;
     RETURN QUERY SELECT * FROM unnest(v_out);
 END
 $$;
@@ -355,7 +356,7 @@ BEGIN
         VALUES (r.message_id, v_part, '__QUEEN_TIMERS__', r.txn, r.payload, r.encrypted,
                 r.payload_zstd, r.producer_sub, p_error, r.attempts + 1, r.created_at, v_now,
                 r.tenant, r.timer_key);
-        PERFORM queen.bump_tenant_usage(r.tenant, -1, 0);
+        INSERT INTO queen.tenant_usage_deltas (tenant, pending_delta) VALUES (r.tenant, -1);
         RETURN 'dead_lettered';
     END IF;
 

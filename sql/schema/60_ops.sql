@@ -43,12 +43,19 @@ $$;
 
 -- The operator's view of the fire: the two switches and the number of
 -- pending timers in the cell (from the per-tenant counters the timer
--- functions keep, so it is cheap enough for every Prometheus scrape).
+-- functions keep, base rows plus unfolded deltas, as
+-- queen.get_pending_timers counts them, so it is cheap enough for every
+-- Prometheus scrape).
 CREATE FUNCTION queen.get_timer_status()
 RETURNS TABLE (scheduling_paused boolean, fire_paused boolean, pending bigint)
 LANGUAGE sql STABLE AS $$
     SELECT c.scheduling_paused, c.fire_paused,
-           coalesce((SELECT sum(u.pending_timers) FROM queen.tenant_usage u), 0)::bigint
+           coalesce((SELECT sum(greatest(0, u.pending_timers
+                                            + coalesce(d.delta, 0)))
+                       FROM queen.tenant_usage u
+                       LEFT JOIN (SELECT x.tenant, sum(x.pending_delta) AS delta
+                                    FROM queen.tenant_usage_deltas x GROUP BY x.tenant) d
+                              ON d.tenant = u.tenant), 0)::bigint
       FROM queen.cell_settings c
      WHERE c.id
 $$;

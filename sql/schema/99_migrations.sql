@@ -8,4 +8,5 @@ INSERT INTO queen.schema_migrations (version, name) VALUES
     (3, 'timer_stats'),
     (4, 'input_limits'),
     (5, 'log_retention'),
-    (6, 'cancel_fast');
+    (6, 'cancel_fast'),
+    (7, 'pending_deltas');

@@ -88,7 +88,7 @@ def test_cancel_waits_for_a_claim_then_answers_too_late(db, sessions):
     assert cancel.join() == [("too_late",)]
     row = db.execute("SELECT claimed_by, lease_until > now() AS held FROM queen.timers WHERE timer_key = 'k'").fetchone()
     assert row == {"claimed_by": "b1", "held": True}
-    assert db.execute("SELECT pending_timers FROM queen.tenant_usage").fetchone()["pending_timers"] == 1
+    assert db.execute("SELECT queen.get_pending_timers('acme') AS n").fetchone()["n"] == 1
 
 
 def test_cancel_waiting_on_a_claim_that_rolls_back_cancels(db, sessions):
@@ -105,8 +105,7 @@ def test_cancel_waiting_on_a_claim_that_rolls_back_cancels(db, sessions):
 
 
 def pending(db) -> int:
-    row = db.execute("SELECT pending_timers FROM queen.tenant_usage WHERE tenant = 'acme'").fetchone()
-    return row["pending_timers"] if row else 0
+    return db.execute("SELECT queen.get_pending_timers('acme') AS n").fetchone()["n"]
 
 
 def test_cancel_waiting_on_a_claim_that_backs_off_cancels(db, sessions):
@@ -228,7 +227,8 @@ def test_concurrent_batches_cannot_overshoot_the_quota(db, sessions):
     second.rollback()
     rows = db.execute("SELECT timer_key FROM queen.timers").fetchall()
     assert rows == [{"timer_key": "k1"}]
-    usage = db.execute("SELECT pending_timers, billed_messages FROM queen.tenant_usage WHERE tenant = 'acme'").fetchone()
+    usage = db.execute("SELECT queen.get_pending_timers('acme') AS pending_timers, billed_messages "
+                       "FROM queen.tenant_usage WHERE tenant = 'acme'").fetchone()
     assert usage == {"pending_timers": 1, "billed_messages": 1}
 
 
@@ -250,5 +250,6 @@ def test_a_mixed_batch_takes_the_counter_row_last(db, sessions):
     other.execute("SELECT queen.bump_tenant_usage('acme', 0, 1)")  # the other batch meters: must not wait
     other.commit()
     assert batch.join() == [("a", "cancelled"), ("b", "rescheduled")]
-    usage = db.execute("SELECT pending_timers, billed_messages FROM queen.tenant_usage WHERE tenant = 'acme'").fetchone()
+    usage = db.execute("SELECT queen.get_pending_timers('acme') AS pending_timers, billed_messages "
+                       "FROM queen.tenant_usage WHERE tenant = 'acme'").fetchone()
     assert usage == {"pending_timers": 1, "billed_messages": 4}

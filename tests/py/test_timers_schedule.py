@@ -118,7 +118,7 @@ def test_delete_cancelled_absent_and_txn_echo(client, db):
     assert r.json() == {"ok": False, "status": "absent", "queue": "reminders",
                         "timerKey": "trial:acme:day7", "txn": "trial-acme-day7-v1"}
     assert client.delete("/api/v1/timers/reminders/trial:acme:day7").json()["txn"] is None
-    assert db.execute("SELECT pending_timers FROM queen.tenant_usage").fetchone()["pending_timers"] == 0
+    assert db.execute("SELECT queen.get_pending_timers(tenant) AS n FROM queen.tenant_usage").fetchone()["n"] == 0
 
 
 def test_catch_all_timer_key_raw_and_encoded(client, db):
@@ -213,5 +213,6 @@ def test_partition_defaults_and_negative_delay_is_legal(client, db):
 def test_metering_counts_schedules_and_reschedules_not_cancels(client, db):
     post(client, op("schedule", "a"), op("schedule", "b"))
     post(client, op("reschedule", "a"), op("cancel", "b"))
-    usage = db.execute("SELECT pending_timers, billed_messages FROM queen.tenant_usage").fetchone()
+    usage = db.execute("SELECT queen.get_pending_timers(tenant) AS pending_timers, billed_messages "
+                       "FROM queen.tenant_usage").fetchone()
     assert usage == {"pending_timers": 1, "billed_messages": 3}

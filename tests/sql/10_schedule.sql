@@ -20,7 +20,7 @@ $$;
 CREATE FUNCTION pg_temp.billed(p_tenant text DEFAULT 'acme') RETURNS bigint LANGUAGE sql AS $$
     SELECT coalesce((SELECT billed_messages FROM queen.tenant_usage WHERE tenant = p_tenant), 0) $$;
 CREATE FUNCTION pg_temp.pending(p_tenant text DEFAULT 'acme') RETURNS bigint LANGUAGE sql AS $$
-    SELECT coalesce((SELECT pending_timers FROM queen.tenant_usage WHERE tenant = p_tenant), 0) $$;
+    SELECT queen.get_pending_timers(p_tenant) $$;
 
 -- ---------------------------------------------------------------- scheduled
 CREATE TEMP TABLE v1 AS SELECT * FROM pg_temp.sched(ARRAY[pg_temp.op('schedule', 'reminders', 'trial:acme:day7', 604800000, 'trial-acme-day7-v1')]);

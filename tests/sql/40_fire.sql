@@ -18,7 +18,7 @@ $$;
 CREATE FUNCTION pg_temp.frame(p_key text, p_payload bytea DEFAULT NULL, p_queue text DEFAULT 'fq') RETURNS queen.fire_frame
 LANGUAGE sql AS $$ SELECT ROW('acme', p_queue, p_key, p_payload)::queen.fire_frame $$;
 CREATE FUNCTION pg_temp.pending() RETURNS bigint LANGUAGE sql AS $$
-    SELECT coalesce((SELECT pending_timers FROM queen.tenant_usage WHERE tenant = 'acme'), 0) $$;
+    SELECT queen.get_pending_timers('acme') $$;
 
 SELECT lives_ok($$SELECT * FROM pg_temp.sched(ARRAY[pg_temp.op('third', 3000), pg_temp.op('first', 1000), pg_temp.op('second', 2000),
                                                      pg_temp.op('later', 60000)])$$, 'setup: four timers');

@@ -7,7 +7,7 @@ SELECT plan(33);
 CREATE FUNCTION pg_temp.t0() RETURNS timestamptz LANGUAGE sql AS $$ SELECT '2030-01-01 00:00:00+00'::timestamptz $$;
 CREATE FUNCTION pg_temp.at(p_seconds numeric) RETURNS timestamptz LANGUAGE sql AS $$ SELECT pg_temp.t0() + p_seconds * interval '1 second' $$;
 CREATE FUNCTION pg_temp.pending() RETURNS bigint LANGUAGE sql AS $$
-    SELECT coalesce((SELECT pending_timers FROM queen.tenant_usage WHERE tenant = 'acme'), 0) $$;
+    SELECT queen.get_pending_timers('acme') $$;
 -- claim the one due timer 'k' at p_at; its claim id
 CREATE FUNCTION pg_temp.claim(p_at timestamptz) RETURNS uuid LANGUAGE sql AS $$
     SELECT claim_id FROM queen.claim_timers('b1', 10, 60000, p_at) WHERE timer_key = 'k' $$;

@@ -67,6 +67,7 @@ SELECT is((SELECT n FROM dblink('setup', $q$SELECT count(*) FROM queen.timers WH
 -- ---------------------------------------------------------------- clean up what the other sessions committed
 SELECT dblink_exec('setup', $q$DELETE FROM queen.timers WHERE tenant = 'race-tap'$q$);
 SELECT dblink_exec('setup', $q$DELETE FROM queen.tenant_usage WHERE tenant = 'race-tap'$q$);
+SELECT dblink_exec('setup', $q$DELETE FROM queen.tenant_usage_deltas WHERE tenant = 'race-tap'$q$);
 SELECT dblink_disconnect('setup');
 SELECT dblink_disconnect('claimer');
 SELECT dblink_disconnect('canceller');
