@@ -9,7 +9,7 @@ capacity (503, "retry") for what is a malformed request.
 
 from __future__ import annotations
 
-from .errors import bad_request
+from .errors import bad_request, check_text
 
 MAX_QUEUE_BYTES = 255
 MAX_TIMER_KEY_BYTES = 1024
@@ -28,12 +28,8 @@ LIMITS: dict[str, int] = {
 
 def check_name(name: str, value: str, where: str = "") -> None:
     """400 when `value` has a NUL, is not encodable Unicode, or is over the limit of `name`."""
-    if "\x00" in value:
-        raise bad_request(f"{where}{name} may not contain a NUL character")
-    try:
-        size = len(value.encode("utf-8"))
-    except UnicodeEncodeError:
-        raise bad_request(f"{where}{name} is not valid Unicode (a lone surrogate)") from None
+    check_text(value, f"{where}{name}")
+    size = len(value.encode("utf-8"))
     limit = LIMITS[name]
     if size > limit:
         raise bad_request(f"{where}{name} is {size} bytes; at most {limit} (UTF-8)")

@@ -26,7 +26,7 @@ from starlette.routing import Route
 from . import convertors, payloads  # noqa: F401 (convertors: registers {x:anypath})
 from .auth import READ_ONLY, READ_WRITE
 from .bodies import read_json
-from .errors import ApiError, bad_request, check_json_unicode, from_exception
+from .errors import ApiError, bad_request, check_json_unicode, check_text, from_exception
 from .limits import check_name
 
 QUEUE_MODE = "__QUEUE_MODE__"
@@ -76,10 +76,9 @@ async def _json_body(request: Request) -> dict:
 
 
 def _no_nul(what: str, value: str | None) -> str | None:
-    """PostgreSQL text cannot hold NUL: refuse it as a shape error, not a database failure."""
-    if value is not None and "\x00" in value:
-        raise bad_request(f"{what} may not contain a NUL character")
-    return value
+    """PostgreSQL text cannot hold NUL (nor a lone surrogate): refuse it as a shape
+    error, not a database failure. None passes (an absent optional value)."""
+    return value if value is None else check_text(value, what)
 
 
 def _opt_str(obj: dict, key: str, where: str) -> str | None:
