@@ -21,6 +21,7 @@ import psycopg
 from . import db
 from .config import Settings
 from .metrics import Metrics
+from .sweeper import stop_loop_task
 
 log = logging.getLogger("queen_timers.retention")
 
@@ -51,19 +52,7 @@ class Retention:
     async def stop(self) -> None:
         task, self._task = self._task, None
         self._stopping = True
-        if task is not None:
-            if self._sleeping:
-                task.cancel()
-            try:
-                await asyncio.wait_for(asyncio.shield(task), timeout=5)
-            except (asyncio.TimeoutError, asyncio.CancelledError):
-                task.cancel()
-                try:
-                    await task
-                except (asyncio.CancelledError, Exception):
-                    pass
-            except Exception:
-                pass
+        await stop_loop_task(task, self._sleeping)
         await self._close()
 
     async def _close(self) -> None:

@@ -97,6 +97,26 @@ def _error_text(exc: BaseException) -> str:
     return text[:ERROR_TEXT_MAX]
 
 
+async def stop_loop_task(task: asyncio.Task | None, sleeping: bool, grace_s: float = 5) -> None:
+    """Stop a broker's background loop whose stop flag is already set: cancel it at
+    once when it sleeps, else let the cycle in flight finish its transaction (up to
+    grace_s), then cancel it. Never raises: the loop's own errors are its to log."""
+    if task is None:
+        return
+    if sleeping:
+        task.cancel()
+    try:
+        await asyncio.wait_for(asyncio.shield(task), timeout=grace_s)
+    except (asyncio.TimeoutError, asyncio.CancelledError):
+        task.cancel()
+        try:
+            await task
+        except (asyncio.CancelledError, Exception):
+            pass
+    except Exception:
+        pass
+
+
 class Sweeper:
     def __init__(self, settings: Settings, metrics: Metrics | None = None):
         self.settings = settings
@@ -123,20 +143,7 @@ class Sweeper:
     async def stop(self) -> None:
         task, self._task = self._task, None
         self._stopping = True
-        if task is not None:
-            if self._sleeping:
-                task.cancel()
-            try:
-                # let a cycle in flight finish its transaction; then give up on it
-                await asyncio.wait_for(asyncio.shield(task), timeout=5)
-            except (asyncio.TimeoutError, asyncio.CancelledError):
-                task.cancel()
-                try:
-                    await task
-                except (asyncio.CancelledError, Exception):
-                    pass
-            except Exception:
-                pass
+        await stop_loop_task(task, self._sleeping)
         await self._close()
 
     async def _close(self) -> None:
