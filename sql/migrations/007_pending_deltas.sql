@@ -347,12 +347,7 @@ BEGIN
     -- pending_timers happens under it. A batch that only frees rows (its
     -- cancels) appends its decrement to the delta table, waiting on nobody.
     IF v_pending > 0 OR v_billed <> 0 THEN
-        INSERT INTO queen.tenant_usage AS u (tenant, pending_timers, billed_messages)
-        VALUES (p_tenant, greatest(v_pending, 0), v_billed)
-        ON CONFLICT (tenant) DO UPDATE
-            SET pending_timers  = greatest(0, u.pending_timers + v_pending),
-                billed_messages = u.billed_messages + v_billed,
-                updated_at      = now();
+        PERFORM queen.bump_tenant_usage(p_tenant, v_pending, v_billed);
     ELSIF v_pending < 0 THEN
         INSERT INTO queen.tenant_usage_deltas (tenant, pending_delta) VALUES (p_tenant, v_pending);
     END IF;
