@@ -227,6 +227,15 @@ def client(broker):
 
 
 @pytest.fixture
+def jwt_client(broker_factory):
+    """A client of the broker with QUEEN_AUTH=jwt and timers_util's secret."""
+    from timers_util import JWT_SECRET
+    b = broker_factory(QUEEN_AUTH="jwt", QUEEN_JWT_SECRET=JWT_SECRET)
+    with b.client() as c:
+        yield c
+
+
+@pytest.fixture
 def spawn_broker(db, database_url, tmp_path, _broker_cache):
     """spawn_broker(**env) -> a private broker, stopped (or already killed) at teardown."""
     started: list[Broker] = []

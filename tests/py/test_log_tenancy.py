@@ -20,10 +20,8 @@ Q = "leakq"
 
 
 @pytest.fixture
-def c(broker_factory):
-    b = broker_factory(QUEEN_AUTH="jwt", QUEEN_JWT_SECRET=JWT_SECRET)
-    with b.client() as client:
-        yield client
+def c(jwt_client):
+    return jwt_client
 
 
 def push(c, headers, txn, queue=Q, payload=None, partition=None):

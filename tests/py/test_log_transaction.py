@@ -8,7 +8,7 @@ import uuid
 
 import pytest
 
-from timers_util import JWT_SECRET, assert_error, token
+from timers_util import assert_error, token
 
 
 def configure(c, queue, headers=None, **options):
@@ -239,13 +239,6 @@ def test_extend_shape_errors_are_400(client, db, body):
 
 A = token("read-write", tenant="acme", sub="svc-a")
 B = token("read-write", tenant="globex", sub="svc-b")
-
-
-@pytest.fixture
-def jwt_client(broker_factory):
-    b = broker_factory(QUEEN_AUTH="jwt", QUEEN_JWT_SECRET=JWT_SECRET)
-    with b.client() as c:
-        yield c
 
 
 def test_transaction_is_tenant_scoped(jwt_client, db):

@@ -11,13 +11,6 @@ import pytest
 from timers_util import JWT_SECRET, assert_error, op, post, rows, token
 
 
-@pytest.fixture
-def jwt_client(broker_factory):
-    b = broker_factory(QUEEN_AUTH="jwt", QUEEN_JWT_SECRET=JWT_SECRET)
-    with b.client() as c:
-        yield c
-
-
 def calls(c, headers):
     return {
         "POST": post(c, op("schedule", "k"), headers=headers),

@@ -8,20 +8,11 @@ import fnmatch
 import tomllib
 from pathlib import Path
 
-import pytest
-
-from timers_util import JWT_SECRET, assert_error, op, post, token
+from timers_util import assert_error, op, post, token
 
 ROOT = Path(__file__).resolve().parents[2]
 STATS = "/api/v1/system/timers/stats"
 QUEUE_FIELDS = {"queue", "pending", "due", "claimed", "retrying", "nextDeliverAt", "dueByBucket"}
-
-
-@pytest.fixture
-def jwt_client(broker_factory):
-    b = broker_factory(QUEEN_AUTH="jwt", QUEEN_JWT_SECRET=JWT_SECRET)
-    with b.client() as c:
-        yield c
 
 
 def test_counts_per_queue_and_the_due_histogram(client, db):
