@@ -20,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from harness import OUT, Cluster, Results, connect, load_timers, log, start_broker  # noqa: E402
+from harness import OUT, Cluster, Results, connect, explain_nested_statements, load_timers, log, start_broker  # noqa: E402
 import cancel  # noqa: E402
 import drills  # noqa: E402
 import failover  # noqa: E402
@@ -55,10 +55,7 @@ def explain_fire(conn, label: str, batch: int = perf.BATCH) -> str:
     conn.add_notice_handler(lambda d: notices.append(d.message_primary or ""))
     conn.execute("BEGIN")
     try:
-        conn.execute("LOAD 'auto_explain'")
-        for k, v in (("log_min_duration", "0"), ("log_analyze", "on"), ("log_buffers", "on"),
-                     ("log_nested_statements", "on"), ("log_timing", "on"), ("log_level", "notice")):
-            conn.execute(f"SET LOCAL auto_explain.{k} = {v}")
+        explain_nested_statements(conn)
         conn.execute("SELECT queen.pause_fire(false)")
         notices.clear()
         t0 = time.perf_counter()

@@ -26,7 +26,7 @@ import time
 import psycopg
 from psycopg.types.composite import CompositeInfo, register_composite
 
-from harness import OUT, Broker, connect, load_timers, log, pct
+from harness import OUT, Broker, connect, explain_nested_statements, load_timers, log, pct
 
 QUEUE = "bench-cancel"
 TENANT = "default"  # the broker's tenant when auth is off
@@ -190,10 +190,7 @@ def explain_cancel(conn, key: str) -> str:
     try:
         conn.execute("BEGIN")
         try:
-            conn.execute("LOAD 'auto_explain'")
-            for k, v in (("log_min_duration", "0"), ("log_analyze", "on"), ("log_buffers", "on"),
-                         ("log_nested_statements", "on"), ("log_timing", "on"), ("log_level", "notice")):
-                conn.execute(f"SET LOCAL auto_explain.{k} = {v}")
+            explain_nested_statements(conn)
             notices.clear()
             status = conn.execute(CANCEL_SQL, (TENANT, QUEUE, key)).fetchone()[0]
         finally:

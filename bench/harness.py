@@ -322,3 +322,12 @@ class Results:
 
     def save(self) -> None:
         (OUT / "results.json").write_text(json.dumps(self.data, indent=2, default=str))
+
+
+def explain_nested_statements(conn) -> None:
+    """Inside an open transaction: auto_explain every statement, nested ones too, with
+    ANALYZE and BUFFERS, as NOTICEs on this connection (SET LOCAL: gone at its end)."""
+    conn.execute("LOAD 'auto_explain'")
+    for k, v in (("log_min_duration", "0"), ("log_analyze", "on"), ("log_buffers", "on"),
+                 ("log_nested_statements", "on"), ("log_timing", "on"), ("log_level", "notice")):
+        conn.execute(f"SET LOCAL auto_explain.{k} = {v}")
