@@ -343,12 +343,19 @@ BEGIN
         RAISE EXCEPTION 'timers_bad_request' USING ERRCODE = 'QTBAD', DETAIL = v_msg;
     END IF;
 
+    -- Queues and partitions new to the batch are created first, in (queue, partition)
+    -- order, as the fire does: two first pushes naming them in opposite orders cannot
+    -- deadlock on each other's uncommitted rows. No lock is taken (see queen.messages).
+    PERFORM queen.ensure_partition(p_tenant, d.queue, d.partition)
+       FROM (SELECT DISTINCT x.queue, coalesce(x.partition, 'Default') AS partition
+               FROM unnest(p_items) x ORDER BY 1, 2) d;
+
     FOR it IN
         SELECT x.*, (x.n - 1)::integer AS idx
           FROM unnest(p_items) WITH ORDINALITY AS x(queue, partition, transaction_id, trace_id, payload, is_encrypted, n)
          ORDER BY x.n
     LOOP
-        v_part := queen.ensure_partition(p_tenant, it.queue, coalesce(it.partition, 'Default'));
+        v_part := queen.ensure_partition(p_tenant, it.queue, coalesce(it.partition, 'Default'));  -- exists: a lookup
         v_txn := coalesce(nullif(it.transaction_id, ''), gen_random_uuid()::text);
         v_id := queen.uuid_v7();
         INSERT INTO queen.messages (id, transaction_id, trace_id, partition_id, payload, is_encrypted, producer_sub)
@@ -771,7 +778,11 @@ BEGIN
     END IF;
 
     BEGIN
-        -- queues and partitions a push creates here are undone too when an ack fails
+        -- queues and partitions a push creates here are undone too when an ack fails;
+        -- created in (queue, partition) order, as push_messages and the fire do
+        PERFORM queen.ensure_partition(p_tenant, d.queue, d.partition)
+           FROM (SELECT DISTINCT x.queue, coalesce(x.partition, 'Default') AS partition
+                   FROM unnest(p_ops) x WHERE x.type = 'push' ORDER BY 1, 2) d;
         FOR o IN
             SELECT x.*, (x.n - 1)::integer AS idx
               FROM unnest(p_ops) WITH ORDINALITY AS x(type, queue, partition, transaction_id, trace_id, payload,
