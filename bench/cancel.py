@@ -320,7 +320,7 @@ def under_load(url: str, broker: Broker, admin, seconds: float, fire_rate: int, 
     q = QUEUE + "-load"
     admin.execute("SELECT queen.resume_fire()")  # whatever an earlier section left
     admin.execute("DELETE FROM queen.timers WHERE queue = %s", (q,))
-    admin.execute("SELECT queen.lock_partition(%s, 'Default')", (q,))
+    admin.execute("SELECT queen.ensure_partition(%s, 'Default')", (q,))
     per_cancel = round(cancel_rate * tick)
     t0 = time.monotonic() + 0.5
     n_ticks = int(seconds / tick)

@@ -236,7 +236,7 @@ def load_timers(conn: psycopg.Connection, *, queue: str, n: int, prefix: str,
 
     deliver_sql may use `g` (1..n) to spread deliver times.
     """
-    conn.execute("SELECT queen.lock_partition('default', %s, 'Default')", (queue,))
+    conn.execute("SELECT queen.ensure_partition('default', %s, 'Default')", (queue,))
     conn.execute(f"""
         INSERT INTO queen.timers (tenant, queue, timer_key, partition, deliver_at, txn, message_id, payload)
         SELECT 'default', %(q)s, %(p)s || '-' || g, 'Default', {deliver_sql}, %(p)s || '-' || g,

@@ -44,7 +44,7 @@ def _reload(conn, queue: str, n: int, prefix: str) -> None:
 
 def fire_bare_single(conn, queue: str) -> float:
     """The brief's bare SQL: one statement deletes every due row and appends its frame."""
-    pid = conn.execute("SELECT queen.lock_partition('default', %s, 'Default')", (queue,)).fetchone()[0]
+    pid = conn.execute("SELECT queen.ensure_partition('default', %s, 'Default')", (queue,)).fetchone()[0]
     t0 = time.perf_counter()
     conn.execute("""
         WITH d AS (DELETE FROM queen.timers WHERE queue = %s AND deliver_at <= now() RETURNING *)
@@ -55,7 +55,7 @@ def fire_bare_single(conn, queue: str) -> float:
 
 def fire_bare_batched(conn, queue: str, batch: int = BATCH) -> float:
     """The same bare SQL in committed batches of the sweeper's size, expiry order, SKIP LOCKED."""
-    pid = conn.execute("SELECT queen.lock_partition('default', %s, 'Default')", (queue,)).fetchone()[0]
+    pid = conn.execute("SELECT queen.ensure_partition('default', %s, 'Default')", (queue,)).fetchone()[0]
     t0 = time.perf_counter()
     for _ in range(100000):
         cur = conn.execute("""

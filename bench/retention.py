@@ -34,7 +34,7 @@ def _top_up(conn, size: int, tag: str) -> None:
     if missing <= 0:
         return
     for i in range(PARTS):
-        conn.execute("SELECT queen.lock_partition('default', %s, %s)", (LOG_QUEUE, f"p{i}"))
+        conn.execute("SELECT queen.ensure_partition('default', %s, %s)", (LOG_QUEUE, f"p{i}"))
     conn.execute("""
         INSERT INTO queen.messages (id, transaction_id, partition_id, payload, created_at)
         SELECT queen.uuid_v7(), %(tag)s || '-' || g, p.id, convert_to(rpad('{"n":' || g || '}', 64, ' '), 'UTF8'),

@@ -46,9 +46,15 @@ CREATE TABLE queen.partitions (
     CONSTRAINT partition_name_not_empty CHECK (name <> '')
 );
 
--- Frames. seq is the log order inside a partition: every writer takes
--- the partition row lock (queen.lock_partition) before appending, so seq
--- order is commit order and a consumer cursor never skips a late commit.
+-- Frames. The log order inside a partition is (xid, seq): xid is the
+-- appending transaction's id (a 64-bit xid8, which never wraps and goes
+-- on across a failover), seq the append order inside that transaction.
+-- Writers take no partition lock, so any number of them (brokers firing,
+-- pushes) append to one partition at once; a consumer reads only the
+-- frames below queen.log_read_horizon() (every other transaction with a
+-- smaller xid has ended), so nothing can commit behind its cursor later.
+-- Rows older than migration 008 have xid 0 (all committed before it).
+-- xid is the last column because migration 008 added it.
 CREATE TABLE queen.messages (
     id              uuid PRIMARY KEY,
     seq             bigint GENERATED ALWAYS AS IDENTITY,
@@ -59,12 +65,17 @@ CREATE TABLE queen.messages (
     is_encrypted    boolean NOT NULL DEFAULT false,
     producer_sub    text,
     created_at      timestamptz NOT NULL DEFAULT now(),
+    xid             xid8 NOT NULL DEFAULT pg_current_xact_id(),
     CONSTRAINT messages_partition_transaction_unique UNIQUE (partition_id, transaction_id)
 );
-CREATE INDEX messages_partition_seq_idx ON queen.messages (partition_id, seq);
+CREATE INDEX messages_partition_xid_seq_idx ON queen.messages (partition_id, xid, seq);
 
 -- A consumer group's cursor and lease on one partition (Queen's
 -- partition_consumers). '__QUEUE_MODE__' is the competing-consumers group.
+-- The cursor is the log position (last_consumed_xid, last_consumed_seq)
+-- of the last frame consumed, and (batch_last_xid, batch_last_seq) the
+-- last frame of the batch a lease covers (see queen.messages). The xid
+-- columns are last because migration 008 added them.
 CREATE TABLE queen.partition_consumers (
     partition_id        uuid NOT NULL REFERENCES queen.partitions (id) ON DELETE CASCADE,
     consumer_group      text NOT NULL,
@@ -76,6 +87,8 @@ CREATE TABLE queen.partition_consumers (
     batch_retry_count   integer NOT NULL DEFAULT 0,
     batch_last_seq      bigint,
     updated_at          timestamptz NOT NULL DEFAULT now(),
+    last_consumed_xid   xid8 NOT NULL DEFAULT '0',
+    batch_last_xid      xid8,
     PRIMARY KEY (partition_id, consumer_group)
 );
 
@@ -139,10 +152,9 @@ BEGIN
 END
 $$;
 
--- The partition's id (of the tenant's queue), created on first use,
--- locked for appending until the caller's transaction ends (see
--- queen.messages.seq).
-CREATE FUNCTION queen.lock_partition(p_tenant text, p_queue text, p_partition text DEFAULT 'Default')
+-- The partition's id (of the tenant's queue), created on first use. No
+-- lock is taken: appends need none (see queen.messages).
+CREATE FUNCTION queen.ensure_partition(p_tenant text, p_queue text, p_partition text DEFAULT 'Default')
 RETURNS uuid
 LANGUAGE plpgsql AS $$
 DECLARE
@@ -150,8 +162,7 @@ DECLARE
     v_id uuid;
 BEGIN
     SELECT id INTO v_id FROM queen.partitions
-     WHERE queue_id = v_queue_id AND name = coalesce(p_partition, 'Default')
-       FOR NO KEY UPDATE;
+     WHERE queue_id = v_queue_id AND name = coalesce(p_partition, 'Default');
     IF FOUND THEN
         RETURN v_id;
     END IF;
@@ -161,9 +172,27 @@ BEGIN
     RETURNING id INTO v_id;
     IF v_id IS NULL THEN
         SELECT id INTO v_id FROM queen.partitions
-         WHERE queue_id = v_queue_id AND name = coalesce(p_partition, 'Default')
-           FOR NO KEY UPDATE;
+         WHERE queue_id = v_queue_id AND name = coalesce(p_partition, 'Default');
     END IF;
     RETURN v_id;
 END
+$$;
+
+-- The read horizon of the log: a consumer may read (and move its cursor
+-- to) a frame only if its xid is below this. It is the xmin of the
+-- calling statement's snapshot: every transaction with a smaller xid has
+-- ended, and every xid assigned later is larger, so no frame can ever
+-- commit before a position a cursor took from below the horizon. The
+-- caller's own frames are readable too (as they were before) when its
+-- own xid is that xmin (no older transaction runs): the horizon is then
+-- its xid + 1, and a frame it appends later gets a larger seq. Call it
+-- before the statements that read the log (under READ COMMITTED they
+-- take newer snapshots, which see every transaction below it ended).
+CREATE FUNCTION queen.log_read_horizon()
+RETURNS xid8
+LANGUAGE sql STABLE AS $$
+    SELECT CASE WHEN pg_current_xact_id_if_assigned() = pg_snapshot_xmin(s)
+                THEN (pg_snapshot_xmin(s)::text::bigint + 1)::text::xid8
+                ELSE pg_snapshot_xmin(s) END
+      FROM pg_current_snapshot() s
 $$;

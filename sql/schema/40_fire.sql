@@ -97,8 +97,8 @@ LANGUAGE plpgsql SET plan_cache_mode = force_custom_plan AS $$
 DECLARE
     v_fired_at timestamptz := clock_timestamp();
 BEGIN
-    -- Lock every destination partition, in a fixed order, before appending.
-    PERFORM queen.lock_partition(d.tenant, d.queue, d.partition)
+    -- Every destination partition exists before appending (no lock: see queen.messages).
+    PERFORM queen.ensure_partition(d.tenant, d.queue, d.partition)
        FROM (SELECT DISTINCT r.tenant, r.queue, r.partition FROM unnest(p_rows) r ORDER BY 1, 2, 3) d;
 
     -- One decrement per tenant, appended: no fire waits on a counter row.
@@ -253,11 +253,10 @@ BEGIN
              WHERE t.tenant = d.tenant AND t.queue = d.queue AND t.timer_key = d.timer_key
             RETURNING t.*
         ), parts AS (
-            -- every destination partition (of the timer's tenant's queue) locked,
-            -- in a fixed order, before a row joined to it can be appended (see
-            -- queen.messages.seq)
+            -- every destination partition (of the timer's tenant's queue), created
+            -- on first use; no lock (see queen.messages)
             SELECT x.tenant, x.queue, x.partition,
-                   queen.lock_partition(x.tenant, x.queue, x.partition) AS partition_id
+                   queen.ensure_partition(x.tenant, x.queue, x.partition) AS partition_id
               FROM (SELECT DISTINCT g.tenant, g.queue, g.partition FROM gone g ORDER BY 1, 2, 3) x
         ), src AS (
             SELECT g.*, p.partition_id
@@ -348,7 +347,7 @@ BEGIN
     IF v_spend AND r.attempts + 1 >= p_max_attempts THEN
         DELETE FROM queen.timers
          WHERE tenant = p_tenant AND queue = p_queue AND timer_key = p_timer_key;
-        v_part := queen.lock_partition(r.tenant, r.queue, r.partition);
+        v_part := queen.ensure_partition(r.tenant, r.queue, r.partition);
         INSERT INTO queen.dead_letter_queue
                (message_id, partition_id, consumer_group, transaction_id, payload, is_encrypted,
                 payload_zstd, producer_sub, error_message, retry_count, original_created_at, failed_at,
@@ -402,7 +401,6 @@ BEGIN
             USING ERRCODE = 'QTRPL',
                   DETAIL = 'a timer''s dead letter never had a consumer group and its offset is not a position; schedule a new timer instead';
     END IF;
-    PERFORM 1 FROM queen.partitions WHERE id = d.partition_id FOR NO KEY UPDATE;
     INSERT INTO queen.messages (id, transaction_id, partition_id, payload, is_encrypted, producer_sub)
     VALUES (v_id, d.transaction_id || '#replay-' || d.id, d.partition_id, d.payload, d.is_encrypted, d.producer_sub);
     DELETE FROM queen.dead_letter_queue WHERE id = p_dlq_id;

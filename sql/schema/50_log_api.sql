@@ -1,8 +1,9 @@
 -- =====================================================================
 -- Part 50: the log API behind Queen's routes (configure, push, pop,
 -- ack, message detail, DLQ list, transaction, lease extension). Shapes
--- follow Queen MQ; the cursor is messages.seq (append order inside a
--- partition, see 20_log.sql).
+-- follow Queen MQ; the cursor is a log position (xid, seq) inside a
+-- partition, and consumers read only below queen.log_read_horizon() (see
+-- queen.messages in 20_log.sql).
 --
 -- Every function takes the caller's tenant first: a queue is the
 -- tenant's (queen.queues.tenant), and another tenant's queue, partition,
@@ -11,7 +12,7 @@
 -- of UTF-8 (queen.log_name_fits); a longer one raises QTBAD.
 --
 -- Consumer state per (partition, consumer group) lives in
--- queen.partition_consumers: last_consumed_seq is the cursor, and
+-- queen.partition_consumers: (last_consumed_xid, last_consumed_seq) is the cursor, and
 -- lease_id / lease_expires_at a partition-level lease taken by pop and
 -- released when the batch is acked, failed, retried or expires.
 -- =====================================================================
@@ -293,8 +294,8 @@ $$;
 -- Append a batch to the tenant's queues (created on first use), one
 -- verdict per item in input order. A transaction id already in the
 -- partition (or earlier in the batch) is 'duplicate' with the existing
--- message id, never an error. Destination partitions are locked first,
--- in (queue, partition) order, as the fire does.
+-- message id, never an error. No partition lock is taken (see
+-- queen.messages): pushes and fires append to one partition at once.
 CREATE FUNCTION queen.push_messages(
     p_tenant       text,
     p_items        queen.push_item[],
@@ -334,7 +335,10 @@ BEGIN
         RAISE EXCEPTION 'timers_bad_request' USING ERRCODE = 'QTBAD', DETAIL = v_msg;
     END IF;
 
-    PERFORM queen.lock_partition(p_tenant, d.queue, d.partition)
+    -- Queues and partitions new to the batch are created first, in (queue, partition)
+    -- order, as the fire does: two first pushes naming them in opposite orders cannot
+    -- deadlock on each other's uncommitted rows. No lock is taken (see queen.messages).
+    PERFORM queen.ensure_partition(p_tenant, d.queue, d.partition)
        FROM (SELECT DISTINCT x.queue, coalesce(x.partition, 'Default') AS partition
                FROM unnest(p_items) x ORDER BY 1, 2) d;
 
@@ -343,7 +347,7 @@ BEGIN
           FROM unnest(p_items) WITH ORDINALITY AS x(queue, partition, transaction_id, trace_id, payload, is_encrypted, n)
          ORDER BY x.n
     LOOP
-        v_part := queen.lock_partition(p_tenant, it.queue, coalesce(it.partition, 'Default'));  -- already held: a lookup
+        v_part := queen.ensure_partition(p_tenant, it.queue, coalesce(it.partition, 'Default'));  -- exists: a lookup
         v_txn := coalesce(nullif(it.transaction_id, ''), gen_random_uuid()::text);
         v_id := queen.uuid_v7();
         INSERT INTO queen.messages (id, transaction_id, trace_id, partition_id, payload, is_encrypted, producer_sub)
@@ -362,8 +366,11 @@ $$;
 
 -- Lease one partition of the tenant's p_queue (nothing when the tenant
 -- has no such queue) for a consumer group and hand out up to
--- p_batch messages after its cursor, in seq order. p_partition NULL: any
--- partition with available messages, least recently served first.
+-- p_batch messages after its cursor, in log order (xid, seq), below the
+-- read horizon (queen.log_read_horizon: a frame of a transaction that has
+-- not ended, or that a still-running one with a smaller xid might precede,
+-- waits). p_partition NULL: any partition with available messages, least
+-- recently served first.
 -- Partitions whose lease is unexpired, or whose consumer row another pop
 -- holds (SKIP LOCKED), are passed over. p_auto_ack moves the cursor now.
 CREATE FUNCTION queen.pop_messages(
@@ -385,7 +392,9 @@ DECLARE
     q         queen.queues;
     c         record;
     pc        queen.partition_consumers;
-    v_last    bigint;
+    v_horizon xid8;
+    v_lxid    xid8;
+    v_lseq    bigint;
     v_n       integer;
 BEGIN
     IF NOT (queen.log_name_fits(p_queue) AND queen.log_name_fits(p_partition)) THEN
@@ -397,6 +406,8 @@ BEGIN
         RETURN;
     END IF;
     v_expires := v_now + make_interval(secs => CASE WHEN q.lease_time > 0 THEN q.lease_time ELSE 60 END);
+    -- before any statement that reads the log (they see every transaction below it ended)
+    v_horizon := queen.log_read_horizon();
 
     FOR c IN
         SELECT p.id, p.name, x.partition_id IS NULL AS no_row
@@ -406,7 +417,8 @@ BEGIN
            AND (p_partition IS NULL OR p.name = p_partition)
            AND (x.lease_expires_at IS NULL OR x.lease_expires_at <= v_now)
            AND EXISTS (SELECT 1 FROM queen.messages m
-                        WHERE m.partition_id = p.id AND m.seq > coalesce(x.last_consumed_seq, 0))
+                        WHERE m.partition_id = p.id AND m.xid < v_horizon
+                          AND (m.xid, m.seq) > (coalesce(x.last_consumed_xid, '0'), coalesce(x.last_consumed_seq, 0)))
          ORDER BY x.updated_at NULLS FIRST, p.created_at, p.id
     LOOP
         IF c.no_row THEN
@@ -419,22 +431,25 @@ BEGIN
         CONTINUE WHEN NOT FOUND;
         CONTINUE WHEN pc.lease_expires_at IS NOT NULL AND pc.lease_expires_at > v_now;
 
-        SELECT max(s.seq), count(*) INTO v_last, v_n
-          FROM (SELECT m.seq FROM queen.messages m
-                 WHERE m.partition_id = c.id AND m.seq > pc.last_consumed_seq
-                 ORDER BY m.seq LIMIT v_batch) s;
-        CONTINUE WHEN v_n = 0;
+        SELECT s.xid, s.seq, s.n INTO v_lxid, v_lseq, v_n
+          FROM (SELECT m.xid, m.seq, row_number() OVER (ORDER BY m.xid, m.seq) AS n
+                  FROM queen.messages m
+                 WHERE m.partition_id = c.id AND m.xid < v_horizon
+                   AND (m.xid, m.seq) > (pc.last_consumed_xid, pc.last_consumed_seq)
+                 ORDER BY m.xid, m.seq LIMIT v_batch) s
+         ORDER BY s.n DESC LIMIT 1;
+        CONTINUE WHEN NOT FOUND;
 
         IF p_auto_ack THEN
             UPDATE queen.partition_consumers
-               SET last_consumed_seq = v_last, lease_id = NULL, lease_expires_at = NULL,
-                   batch_size = 0, acked_count = 0, batch_retry_count = 0, batch_last_seq = NULL,
-                   updated_at = v_now
+               SET last_consumed_xid = v_lxid, last_consumed_seq = v_lseq, lease_id = NULL,
+                   lease_expires_at = NULL, batch_size = 0, acked_count = 0, batch_retry_count = 0,
+                   batch_last_xid = NULL, batch_last_seq = NULL, updated_at = v_now
              WHERE partition_id = c.id AND consumer_group = v_group;
         ELSE
             UPDATE queen.partition_consumers
                SET lease_id = v_lease, lease_expires_at = v_expires, batch_size = v_n,
-                   acked_count = 0, batch_last_seq = v_last, updated_at = v_now
+                   acked_count = 0, batch_last_xid = v_lxid, batch_last_seq = v_lseq, updated_at = v_now
              WHERE partition_id = c.id AND consumer_group = v_group;
         END IF;
 
@@ -444,15 +459,17 @@ BEGIN
                CASE WHEN p_auto_ack THEN NULL ELSE v_lease END, v_group,
                CASE WHEN p_auto_ack THEN NULL ELSE v_expires END
           FROM queen.messages m
-         WHERE m.partition_id = c.id AND m.seq > pc.last_consumed_seq AND m.seq <= v_last
-         ORDER BY m.seq;
+         WHERE m.partition_id = c.id
+           AND (m.xid, m.seq) > (pc.last_consumed_xid, pc.last_consumed_seq)
+           AND (m.xid, m.seq) <= (v_lxid, v_lseq)
+         ORDER BY m.xid, m.seq;
         RETURN;
     END LOOP;
 END
 $$;
 
 -- Acknowledge messages, one verdict per item in input order (processed
--- in partition, group, seq order). completed moves the cursor; failed
+-- in partition, group, log (xid, seq) order). completed moves the cursor; failed
 -- releases the lease for a redelivery of the batch until the queue's
 -- retry_limit, then dead-letters the message and moves past it; dlq
 -- dead-letters at once; retry only releases the lease. A message at or
@@ -503,14 +520,14 @@ BEGIN
                     ELSE coalesce(x.status, 'completed') END AS status,
                coalesce(nullif(x.consumer_group, ''), '__QUEUE_MODE__') AS grp,
                (x.n - 1)::integer AS idx,
-               m.id AS message_id, m.seq, m.payload, m.is_encrypted, m.producer_sub, m.created_at,
+               m.id AS message_id, m.xid, m.seq, m.payload, m.is_encrypted, m.producer_sub, m.created_at,
                p.name AS partition_name, q.name AS queue_name, q.retry_limit
           FROM unnest(p_acks) WITH ORDINALITY AS x(transaction_id, partition_id, status, error, lease_id, consumer_group, n)
           LEFT JOIN (queen.messages m
                      JOIN queen.partitions p ON p.id = m.partition_id
                      JOIN queen.queues q ON q.id = p.queue_id AND q.tenant = p_tenant)
                  ON m.partition_id = x.partition_id AND m.transaction_id = x.transaction_id
-         ORDER BY x.partition_id, 6, m.seq NULLS LAST, x.n
+         ORDER BY x.partition_id, 6, m.xid NULLS LAST, m.seq NULLS LAST, x.n
     LOOP
         r := ROW(a.idx, a.transaction_id, false, NULL, a.queue_name, a.partition_name, false, false);
         IF a.message_id IS NULL THEN
@@ -538,9 +555,9 @@ BEGIN
             r.lease_released := pc.lease_id IS NOT NULL;
             UPDATE queen.partition_consumers
                SET lease_id = NULL, lease_expires_at = NULL, batch_size = 0, acked_count = 0,
-                   batch_last_seq = NULL, updated_at = v_now
+                   batch_last_xid = NULL, batch_last_seq = NULL, updated_at = v_now
              WHERE partition_id = a.partition_id AND consumer_group = a.grp;
-        ELSIF a.seq <= pc.last_consumed_seq THEN
+        ELSIF (a.xid, a.seq) <= (pc.last_consumed_xid, pc.last_consumed_seq) THEN
             NULL;  -- already consumed
         ELSIF v_status = 'failed' AND pc.batch_retry_count < a.retry_limit THEN
             -- one retry per delivered batch: a second failed ack of the same batch finds no lease
@@ -548,7 +565,8 @@ BEGIN
                 r.lease_released := true;
                 UPDATE queen.partition_consumers
                    SET lease_id = NULL, lease_expires_at = NULL, batch_size = 0, acked_count = 0,
-                       batch_last_seq = NULL, batch_retry_count = batch_retry_count + 1, updated_at = v_now
+                       batch_last_xid = NULL, batch_last_seq = NULL, batch_retry_count = batch_retry_count + 1,
+                       updated_at = v_now
                  WHERE partition_id = a.partition_id AND consumer_group = a.grp;
             END IF;
         ELSE
@@ -564,14 +582,15 @@ BEGIN
             END IF;
             v_acked := pc.acked_count + 1;
             v_done := pc.lease_id IS NULL OR pc.batch_last_seq IS NULL
-                      OR a.seq >= pc.batch_last_seq OR v_acked >= pc.batch_size;
+                      OR (a.xid, a.seq) >= (pc.batch_last_xid, pc.batch_last_seq) OR v_acked >= pc.batch_size;
             r.lease_released := v_done AND pc.lease_id IS NOT NULL;
             UPDATE queen.partition_consumers
-               SET last_consumed_seq = a.seq,
+               SET last_consumed_xid = a.xid, last_consumed_seq = a.seq,
                    acked_count = CASE WHEN v_done THEN 0 ELSE v_acked END,
                    lease_id = CASE WHEN v_done THEN NULL ELSE lease_id END,
                    lease_expires_at = CASE WHEN v_done THEN NULL ELSE lease_expires_at END,
                    batch_size = CASE WHEN v_done THEN 0 ELSE batch_size END,
+                   batch_last_xid = CASE WHEN v_done THEN NULL ELSE batch_last_xid END,
                    batch_last_seq = CASE WHEN v_done THEN NULL ELSE batch_last_seq END,
                    batch_retry_count = CASE WHEN v_done THEN 0 ELSE batch_retry_count END,
                    updated_at = v_now
@@ -612,9 +631,10 @@ BEGIN
            AND q.tenant = p_tenant
     ), g AS (
         SELECT pc.*,
-               pc.last_consumed_seq >= m.seq AS consumed,
-               pc.lease_expires_at > coalesce(p_now, now()) AND m.seq > pc.last_consumed_seq
-                   AND m.seq <= pc.batch_last_seq AS processing
+               (pc.last_consumed_xid, pc.last_consumed_seq) >= (m.xid, m.seq) AS consumed,
+               pc.lease_expires_at > coalesce(p_now, now())
+                   AND (m.xid, m.seq) > (pc.last_consumed_xid, pc.last_consumed_seq)
+                   AND (m.xid, m.seq) <= (pc.batch_last_xid, pc.batch_last_seq) AS processing
           FROM m JOIN queen.partition_consumers pc ON pc.partition_id = m.partition_id
     ), d AS (
         SELECT dl.error_message, dl.retry_count
@@ -751,9 +771,8 @@ $$;
 -- so it has no HTTP mapping). Every lease in
 -- p_required_leases must be held (unexpired) on one of the tenant's
 -- partitions, else nothing is done either; an ack without its own lease
--- borrows the one required lease when exactly one is named. Push
--- partitions are locked first, in (queue, partition) order. Shape errors
--- raise QTBAD.
+-- borrows the one required lease when exactly one is named. Shape
+-- errors raise QTBAD.
 CREATE FUNCTION queen.execute_transaction(
     p_tenant          text,
     p_ops             queen.txn_op[],
@@ -834,8 +853,9 @@ BEGIN
     END IF;
 
     BEGIN
-        -- queues and partitions created here are undone too when an ack fails
-        PERFORM queen.lock_partition(p_tenant, d.queue, d.partition)
+        -- queues and partitions a push creates here are undone too when an ack fails;
+        -- created in (queue, partition) order, as push_messages and the fire do
+        PERFORM queen.ensure_partition(p_tenant, d.queue, d.partition)
            FROM (SELECT DISTINCT x.queue, coalesce(x.partition, 'Default') AS partition
                    FROM unnest(p_ops) x WHERE x.type = 'push' ORDER BY 1, 2) d;
         FOR o IN

@@ -12,13 +12,14 @@
 -- older than queen.cell_settings.dlq_retention_seconds (0: kept).
 --
 -- Retention deletes the HEAD of a partition: walking the partition in
--- seq order, it stops at the first frame no rule lets it delete. Cursors
--- are seqs and pop reads seq > cursor, so a cursor that points at a
--- deleted frame (or before it) still moves on to the next one that
--- exists. created_at (the appending transaction's start) follows seq
--- within a partition up to the length of an append transaction, so the
--- head is where the old frames are; a frame that is older than a frame
--- before it simply goes when that one does.
+-- log order (xid, seq), it stops at the first frame no rule lets it
+-- delete. Cursors are log positions and pop reads (xid, seq) > cursor,
+-- so a cursor that points at a deleted frame (or before it) still moves
+-- on to the next one that exists. The completed rule deletes only frames
+-- at or behind the lowest cursor. created_at (the appending transaction's
+-- start) follows the log order within a partition up to the length of an
+-- append transaction, so the head is where the old frames are; a frame
+-- that is older than a frame before it simply goes when that one does.
 -- =====================================================================
 
 -- Delete what retention allows, at most p_limit rows in all (frames and
@@ -50,8 +51,11 @@ DECLARE
     c           record;
     v_pend_cut  timestamptz;  -- pending rule: created_at before this
     v_done_cut  timestamptz;  -- completed rule: created_at before this
-    v_min       bigint;       -- the lowest cursor of the partition's groups (NULL: no group)
-    v_upto      bigint;       -- completed rule: seq at or before this
+    v_min_xid   xid8;         -- the lowest cursor (xid, seq) of the partition's groups (NULL: no group)
+    v_min_seq   bigint;
+    v_upto_xid  xid8;         -- completed rule: (xid, seq) at or before this
+    v_upto_seq  bigint;
+    v_xid       xid8;
     v_seq       bigint;
     v_at        timestamptz;
     v_n         bigint;
@@ -77,16 +81,20 @@ BEGIN
                            THEN v_now - make_interval(secs => c.retention_seconds) END;
         v_done_cut := CASE WHEN c.completed_retention_seconds > 0
                            THEN v_now - make_interval(secs => c.completed_retention_seconds) END;
-        SELECT min(pc.last_consumed_seq) INTO v_min
-          FROM queen.partition_consumers pc WHERE pc.partition_id = c.id;
-        v_upto := CASE WHEN v_done_cut IS NOT NULL THEN v_min END;
+        v_min_xid := NULL;
+        v_min_seq := NULL;
+        SELECT pc.last_consumed_xid, pc.last_consumed_seq INTO v_min_xid, v_min_seq
+          FROM queen.partition_consumers pc WHERE pc.partition_id = c.id
+         ORDER BY pc.last_consumed_xid, pc.last_consumed_seq LIMIT 1;
+        v_upto_xid := CASE WHEN v_done_cut IS NOT NULL THEN v_min_xid END;
+        v_upto_seq := CASE WHEN v_done_cut IS NOT NULL THEN v_min_seq END;
 
         -- index probes, before any lock: is the first frame deletable, is a dead letter old enough?
-        -- (cursors only move forward, so v_min read now is safe to use after the lock)
-        SELECT m.seq, m.created_at INTO v_seq, v_at
-          FROM queen.messages m WHERE m.partition_id = c.id ORDER BY m.seq LIMIT 1;
+        -- (cursors only move forward, so the lowest cursor read now is safe to use after the lock)
+        SELECT m.xid, m.seq, m.created_at INTO v_xid, v_seq, v_at
+          FROM queen.messages m WHERE m.partition_id = c.id ORDER BY m.xid, m.seq LIMIT 1;
         v_head_due := FOUND AND (coalesce(v_at < v_pend_cut, false)
-                                 OR coalesce(v_seq <= v_upto AND v_at < v_done_cut, false));
+                                 OR coalesce((v_xid, v_seq) <= (v_upto_xid, v_upto_seq) AND v_at < v_done_cut, false));
         v_dlq_due := v_dlq_secs > 0 AND EXISTS (
             SELECT 1 FROM queen.dead_letter_queue d
              WHERE d.partition_id = c.id AND d.failed_at < v_now - make_interval(secs => v_dlq_secs));
@@ -99,23 +107,24 @@ BEGIN
 
         IF v_head_due THEN
             WITH head AS (
-                SELECT m.id, m.seq,
+                SELECT m.id, row_number() OVER (ORDER BY m.xid, m.seq) AS n,
+                       (m.xid, m.seq) <= (v_min_xid, v_min_seq) AS consumed,
                        coalesce(m.created_at < v_pend_cut, false)
-                       OR coalesce(m.seq <= v_upto AND m.created_at < v_done_cut, false) AS ok
+                       OR coalesce((m.xid, m.seq) <= (v_upto_xid, v_upto_seq) AND m.created_at < v_done_cut, false) AS ok
                   FROM queen.messages m
                  WHERE m.partition_id = c.id
-                 ORDER BY m.seq
+                 ORDER BY m.xid, m.seq
                  LIMIT v_room
             ), stop AS (
-                SELECT min(h.seq) AS seq FROM head h WHERE NOT h.ok
+                SELECT min(h.n) AS n FROM head h WHERE NOT h.ok
             ), del AS (
                 DELETE FROM queen.messages m
                  USING head h
                  WHERE m.id = h.id
-                   AND h.seq < coalesce((SELECT s.seq FROM stop s), 9223372036854775807)
-                RETURNING h.seq
+                   AND h.n < coalesce((SELECT s.n FROM stop s), 9223372036854775807)
+                RETURNING h.consumed
             )
-            SELECT count(*), count(*) FILTER (WHERE d.seq <= v_min) INTO v_n, v_nc FROM del d;
+            SELECT count(*), count(*) FILTER (WHERE d.consumed) INTO v_n, v_nc FROM del d;
             v_completed := v_completed + v_nc;
             v_pending := v_pending + v_n - v_nc;
             v_room := v_room - v_n;
