@@ -7,10 +7,11 @@ batches of 256 from the same number of clients:
 - bare:   one `INSERT INTO queen.timers (...) SELECT ... FROM unnest(...)
           ON CONFLICT (tenant, queue, timer_key) DO UPDATE SET ...` per batch;
           no verdicts, no gates, no metering.
-- sql:    the statement the broker sends (routes_timers.SCHEDULE_SQL: the
-          ops as parallel arrays, queen.schedule_timers, the verdict rows
-          fetched), with the parameters the broker builds, one connection per
-          client thread. "Direct SQL" of the ratio HTTP / SQL.
+- sql:    routes_timers.SCHEDULE_SQL (the ops as parallel binary arrays,
+          queen.schedule_timers, the verdict rows fetched; the CLI's
+          statement, which the route wraps in json_agg), with the parameters
+          the broker builds, one connection per client thread. "Direct SQL"
+          of the ratio HTTP / SQL.
 - http:   POST /api/v1/timers to the broker, one keep-alive connection per
           client on a minimal HTTP/1.1 client (cancel.RawHttp: httpx would
           cost the 2 shared cores more than the broker's own work).

@@ -22,7 +22,7 @@ from urllib.parse import unquote_to_bytes
 
 from psycopg.rows import tuple_row
 from starlette.requests import Request
-from starlette.responses import JSONResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from . import convertors, payloads  # noqa: F401 (convertors: registers {x:anypath})
@@ -80,6 +80,18 @@ SELECT v.ordinal, v.ok, v.status, v.queue, v.timer_key, v.txn, v.message_id, v.d
          %(tenancy)s::boolean,
          p_max_ops => %(max_ops)s::integer) AS v
  ORDER BY v.ordinal
+"""
+
+# The route's form: the response's "results" array built by PostgreSQL (json_agg,
+# in input order), one text value handed out as it is; no row objects, no
+# uuid/timestamp parsing and no JSON encoding in Python. deliverAt as iso().
+SCHEDULE_JSON_SQL = f"""
+SELECT coalesce(json_agg(json_build_object(
+           'ok', v.ok, 'status', v.status, 'queue', v.queue, 'timerKey', v.timer_key, 'txn', v.txn,
+           'messageId', v.message_id,
+           'deliverAt', to_char(v.deliver_at AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.US"Z"'))
+         ORDER BY v.ordinal), '[]')::text
+  FROM ({SCHEDULE_SQL}) AS v
 """
 
 # the caller's queues only: a queue name is unique per tenant, not per cell
@@ -341,20 +353,6 @@ def _schedule_params(ops: list[dict]) -> dict:
     return {name: (col if any(v is not None for v in col) else None) for name, col in zip(names, cols)}
 
 
-def _verdicts_json(rows: list[tuple]) -> list[dict]:
-    """The verdict rows (SCHEDULE_SQL's columns, as tuples) as the response lists them.
-    A batch's deliver times repeat (one clock reading plus each delay): each is formatted once."""
-    stamps: dict = {None: None}
-    out = []
-    for _ordinal, ok, status, queue, key, txn, message_id, deliver_at in rows:
-        at = stamps.get(deliver_at, stamps)
-        if at is stamps:
-            at = stamps[deliver_at] = iso(deliver_at)
-        out.append({"ok": ok, "status": status, "queue": queue, "timerKey": key, "txn": txn,
-                    "messageId": None if message_id is None else str(message_id), "deliverAt": at})
-    return out
-
-
 async def schedule(request: Request) -> JSONResponse:
     principal = request.app.state.auth.require(request, WRITE_ONLY)
     settings = request.app.state.settings
@@ -371,13 +369,13 @@ async def schedule(request: Request) -> JSONResponse:
         params.update(tenant=principal.tenant, producer_sub=principal.sub, horizon_ms=settings.timers_horizon_ms,
                       tenancy=settings.tenancy, max_ops=settings.timers_max_ops)
         cur = conn.cursor(row_factory=tuple_row)
-        await cur.execute(SCHEDULE_SQL, params)
-        return await cur.fetchall()
+        await cur.execute(SCHEDULE_JSON_SQL, params)
+        return (await cur.fetchone())[0]
 
-    rows = await _run(request, work, hint=True)
+    results = await _run(request, work, hint=True)
     # {"results": [...]}: the envelope Queen's clients read (queen-mq's
     # Timers.batch takes response["results"]); index-aligned with the ops.
-    return JSONResponse({"results": _verdicts_json(rows)})
+    return Response(b'{"results":' + results.encode() + b"}", media_type="application/json")
 
 
 # ---------------------------------------------------------------------------
