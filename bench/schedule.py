@@ -308,6 +308,11 @@ def bench_schedule(url: str, broker: Broker, res, n_batches: int, clients: int, 
             broker.proc.send_signal(signal.SIGCONT)
         for line in report[0].splitlines():
             log("  " + line)
+        plan = report[1]
+        join = ("hash join" if "Hash Left Join" in plan else "NESTED LOOP (quadratic in the batch)"
+                if "Nested Loop" in plan else "no join (the op-by-op path?)")
+        log(f"  the verdict join of schedule_timers' one statement, past the plan cache's custom plans: {join}")
+        res.put("schedule_throughput", verdict_join=join)
         (OUT / "schedule-profile.txt").write_text("\n\n".join(report))
         log(f"  plans: {OUT / 'schedule-profile.txt'}")
         clean(admin)
