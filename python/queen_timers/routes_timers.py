@@ -82,16 +82,25 @@ SELECT v.ordinal, v.ok, v.status, v.queue, v.timer_key, v.txn, v.message_id, v.d
  ORDER BY v.ordinal
 """
 
-# The route's form: the response's "results" array built by PostgreSQL (json_agg,
-# in input order), one text value handed out as it is; no row objects, no
-# uuid/timestamp parsing and no JSON encoding in Python. deliverAt as iso().
+# The route's form, one round trip in the common case: which of the batch's
+# upsert queues (%(encrypt_check)b) encrypt at rest, and only when none does,
+# the batch itself, its "results" array built by PostgreSQL (json_agg in input
+# order; one text value handed out as it is: no row objects, no uuid/timestamp
+# parsing, no JSON encoding in Python; deliverAt as iso()). The batch is an
+# uncorrelated subquery (an InitPlan), which PostgreSQL runs only when the
+# CASE reaches it: a batch for an encrypting queue writes nothing here, is
+# encrypted and sent again without the check.
 SCHEDULE_JSON_SQL = f"""
-SELECT coalesce(json_agg(json_build_object(
-           'ok', v.ok, 'status', v.status, 'queue', v.queue, 'timerKey', v.timer_key, 'txn', v.txn,
-           'messageId', v.message_id,
-           'deliverAt', to_char(v.deliver_at AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.US"Z"'))
-         ORDER BY v.ordinal), '[]')::text
-  FROM ({SCHEDULE_SQL}) AS v
+SELECT e.queues,
+       CASE WHEN e.queues IS NULL THEN (
+           SELECT coalesce(json_agg(json_build_object(
+                      'ok', v.ok, 'status', v.status, 'queue', v.queue, 'timerKey', v.timer_key,
+                      'txn', v.txn, 'messageId', v.message_id,
+                      'deliverAt', to_char(v.deliver_at AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.US"Z"'))
+                    ORDER BY v.ordinal), '[]')::text
+             FROM ({SCHEDULE_SQL}) AS v) END
+  FROM (SELECT array_agg(q) AS queues
+          FROM queen.encrypted_queues(%(tenant)s, %(encrypt_check)b::text[]) AS q) AS e
 """
 
 # the caller's queues only: a queue name is unique per tenant, not per cell
@@ -361,16 +370,18 @@ async def schedule(request: Request) -> JSONResponse:
 
     async def work(conn):
         upserts = sorted({o["queue"] for o in ops if o["op"] != "cancel"})
-        if upserts:
-            cur = await conn.execute(ENCRYPTING_QUEUES_SQL, (principal.tenant, upserts))
-            encrypting = {r["name"] for r in await cur.fetchall()}
-            _encrypt_ops(ops, encrypting, settings.encryption_key)
+        cur = conn.cursor(row_factory=tuple_row)
         params = _schedule_params(ops)
         params.update(tenant=principal.tenant, producer_sub=principal.sub, horizon_ms=settings.timers_horizon_ms,
-                      tenancy=settings.tenancy, max_ops=settings.timers_max_ops)
-        cur = conn.cursor(row_factory=tuple_row)
+                      tenancy=settings.tenancy, max_ops=settings.timers_max_ops, encrypt_check=upserts or None)
         await cur.execute(SCHEDULE_JSON_SQL, params)
-        return (await cur.fetchone())[0]
+        encrypting, results = await cur.fetchone()
+        if encrypting:  # nothing was written: encrypt those queues' payloads, then the batch alone
+            _encrypt_ops(ops, set(encrypting), settings.encryption_key)
+            params.update(_schedule_params(ops), encrypt_check=None)
+            await cur.execute(SCHEDULE_JSON_SQL, params)
+            encrypting, results = await cur.fetchone()
+        return results
 
     results = await _run(request, work, hint=True)
     # {"results": [...]}: the envelope Queen's clients read (queen-mq's
