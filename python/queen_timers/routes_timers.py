@@ -362,7 +362,7 @@ def _schedule_params(ops: list[dict]) -> dict:
     return {name: (col if any(v is not None for v in col) else None) for name, col in zip(names, cols)}
 
 
-async def schedule(request: Request) -> JSONResponse:
+async def schedule(request: Request) -> Response:
     principal = request.app.state.auth.require(request, WRITE_ONLY)
     settings = request.app.state.settings
     body = await read_json(request, unicode=True)

@@ -1,7 +1,7 @@
 -- schedule_timers / cancel_timer: every verdict, the upsert's resets,
 -- deliver_at from PostgreSQL's clock, metering and the pending counter.
 BEGIN;
-SELECT plan(63);
+SELECT plan(65);
 
 -- Helpers (pg_temp, gone with the transaction). The clock is pinned at T0.
 CREATE FUNCTION pg_temp.t0() RETURNS timestamptz LANGUAGE sql AS $$ SELECT '2030-01-01 00:00:00+00'::timestamptz $$;
@@ -169,6 +169,14 @@ SELECT is((SELECT txn FROM v8 WHERE ordinal = 2), 'no', 'too_late echoes the txn
 SELECT ok((SELECT txn FROM v8 WHERE ordinal = 4) ~ '^[0-9a-f-]{36}$', 'a reschedule without txn gets a minted one');
 SELECT is((SELECT (pg_temp.billed() - billed, pg_temp.pending() - pending)::text FROM before_v8), '(3,2)',
           'metering: three accepted upserts billed, two new rows pending, the too_late one neither');
+-- rows written by one statement share its command id (cmin); op by op, each has its own
+SELECT is((SELECT count(DISTINCT cmin::text) FROM queen.timers
+            WHERE tenant = 'acme' AND (queue, timer_key) IN (('q3', 'zz-new'), ('q1', 'alpha'), ('q3', 'aa-new'))),
+          1::bigint, 'a batch without cancels is written by one statement');
+CREATE TEMP TABLE v9 AS SELECT * FROM pg_temp.sched(ARRAY[
+    pg_temp.op('schedule', 'q4', 'x1'), pg_temp.op('cancel', 'q4', 'nothing'), pg_temp.op('schedule', 'q4', 'x2')]);
+SELECT is((SELECT count(DISTINCT cmin::text) FROM queen.timers WHERE tenant = 'acme' AND queue = 'q4'),
+          2::bigint, 'a batch with a cancel goes op by op');
 
 SELECT * FROM finish();
 ROLLBACK;
