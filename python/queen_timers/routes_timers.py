@@ -60,7 +60,7 @@ INT32_MIN, INT32_MAX = -(2 ** 31), 2 ** 31 - 1
 
 # The ops travel as ten parallel arrays in binary format (%b): psycopg dumps a
 # binary array without escaping each element (bytea in text is hex, built per
-# element in Python), a third of the text dump's CPU for a 256-op batch. An
+# element in Python), about a quarter of the text dump's CPU for a 256-op batch. An
 # array that is all NULL is sent as NULL: a multi-argument unnest pads it.
 SCHEDULE_SQL = """
 SELECT v.ordinal, v.ok, v.status, v.queue, v.timer_key, v.txn, v.message_id, v.deliver_at
