@@ -42,7 +42,7 @@ import psycopg
 from cancel import RawHttp
 from harness import OUT, Broker, connect, explain_nested_statements, log
 
-from queen_timers.routes_timers import SCHEDULE_SQL
+from queen_timers.routes_timers import SCHEDULE_SQL, _parse_ops, _schedule_params
 
 BATCH = 256
 QUEUE = "bench-sched"
@@ -73,15 +73,11 @@ def batches(n_batches: int) -> list[list[dict]]:
 
 
 def broker_params(ops: list[dict]) -> dict:
-    """SCHEDULE_SQL's parameters as routes_timers.schedule builds them (auth off, default settings)."""
-    n = len(ops)
-    return {
-        "tenant": TENANT, "producer_sub": None, "horizon_ms": HORIZON_MS, "tenancy": False, "max_ops": 256,
-        "op": [o["op"] for o in ops], "queue": [o["queue"] for o in ops],
-        "timer_key": [o["timerKey"] for o in ops], "delay_ms": [o["delayMs"] for o in ops],
-        "txn": [o["txn"] for o in ops], "payload": [base64.b64decode(o["payload"]) for o in ops],
-        "partition": [None] * n, "payload_zstd": [None] * n, "encrypted": [None] * n, "raw_size": [None] * n,
-    }
+    """SCHEDULE_SQL's parameters as routes_timers.schedule builds them (auth off, default settings):
+    the same validation and arrays, built before the clock starts."""
+    params = _schedule_params(_parse_ops({"operations": ops}, BATCH))
+    params.update(tenant=TENANT, producer_sub=None, horizon_ms=HORIZON_MS, tenancy=False, max_ops=BATCH)
+    return params
 
 
 def bare_params(ops: list[dict]) -> dict:
