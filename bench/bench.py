@@ -26,6 +26,7 @@ import drills  # noqa: E402
 import failover  # noqa: E402
 import perf  # noqa: E402
 import retention  # noqa: E402
+import schedule  # noqa: E402
 
 SECTIONS = ("fire", "schedule", "lag", "growth", "profile", "retention", "cancel", "kill", "pgrestart", "pool",
             "failover")
@@ -179,6 +180,7 @@ def main() -> int:
     ap.add_argument("--fire-n", type=int, default=50000)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--sched-batches", type=int, default=100)
+    ap.add_argument("--sched-rounds", type=int, default=5, help="schedule section: rotating rounds (>= 5)")
     ap.add_argument("--clients", type=int, default=4)
     ap.add_argument("--lag-rate", type=int, default=1000)
     ap.add_argument("--lag-seconds", type=float, default=60)
@@ -241,8 +243,8 @@ def main() -> int:
                 res.put(name, error=traceback.format_exc().splitlines()[-1])
 
         section("fire", perf.bench_fire_throughput, url, broker, res, args.fire_n, args.rounds)
-        section("schedule", perf.bench_schedule_throughput, url, broker, res, args.sched_batches, args.clients,
-                args.rounds)
+        section("schedule", schedule.bench_schedule, url, broker, res, args.sched_batches, args.clients,
+                args.sched_rounds)
         section("lag", perf.bench_lag, url, broker, res, args.lag_rate, args.lag_seconds)
         section("profile", bench_profile, url, broker, res, args.fire_n)
         section("cancel", cancel.bench_cancel, url, broker, res, args.cancel_n, args.cancel_rounds,

@@ -1,14 +1,11 @@
-"""Performance sections: fire throughput, schedule throughput, fire lag + cancel latency, cost growth."""
+"""Performance sections: fire throughput, fire lag + cancel latency, cost growth (schedule: schedule.py)."""
 
 from __future__ import annotations
 
 import asyncio
-import base64
-import json
 import random
 import signal
 import statistics
-import threading
 import time
 
 import httpx
@@ -181,110 +178,6 @@ def _fire_sql_function_alone(conn, broker: Broker) -> float:
     finally:
         conn.execute("SELECT queen.pause_fire()")
         broker.proc.send_signal(signal.SIGCONT)
-
-
-# -------------------------------------------------------------------------
-# Schedule throughput: HTTP vs queen.schedule_timers
-# -------------------------------------------------------------------------
-
-def _ops(n_batches: int, prefix: str, delay_ms: int = 3_600_000, queue: str = "bench-sched"):
-    payload = b'{"kind":"bench","pad":"' + b"x" * 40 + b'"}'
-    b64 = base64.b64encode(payload).decode()
-    batches = []
-    for b in range(n_batches):
-        batches.append([{"op": "schedule", "queue": queue, "timerKey": f"{prefix}-{b}-{i}",
-                         "delayMs": delay_ms, "txn": f"{prefix}-{b}-{i}", "payload": b64}
-                        for i in range(BATCH)])
-    return batches, payload
-
-
-async def _http_schedule(url: str, bodies: list[bytes], clients: int) -> tuple[float, dict]:
-    codes: dict[int, int] = {}
-    it = iter(bodies)
-    lock = asyncio.Lock()
-
-    async def worker():
-        async with httpx.AsyncClient(base_url=url, timeout=60) as c:
-            while True:
-                async with lock:
-                    body = next(it, None)
-                if body is None:
-                    return
-                r = await c.post("/api/v1/timers", content=body, headers={"content-type": "application/json"})
-                codes[r.status_code] = codes.get(r.status_code, 0) + 1
-
-    t0 = time.perf_counter()
-    await asyncio.gather(*(worker() for _ in range(clients)))
-    return time.perf_counter() - t0, codes
-
-
-def _sql_schedule(url: str, batches: list[list], clients: int) -> float:
-    """The same batches through queen.schedule_timers, one connection per client thread."""
-    conns = [psycopg.connect(url, autocommit=True) for _ in range(clients)]
-    info = CompositeInfo.fetch(conns[0], "queen.timer_op")
-    for c in conns:
-        register_composite(info, c)
-    T = info.python_type
-    prepared = [[T(o["op"], o["queue"], o["timerKey"], o["delayMs"], o["txn"], base64.b64decode(o["payload"]),
-                   None, False, False, None) for o in b] for b in batches]
-    it = iter(prepared)
-    lock = threading.Lock()
-
-    def worker(conn):
-        while True:
-            with lock:
-                ops = next(it, None)
-            if ops is None:
-                return
-            conn.execute("SELECT count(*) FROM queen.schedule_timers('default', %s::queen.timer_op[], NULL, %s, false)",
-                         (ops, 90 * 24 * 3600 * 1000)).fetchone()
-
-    threads = [threading.Thread(target=worker, args=(c,)) for c in conns]
-    t0 = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    secs = time.perf_counter() - t0
-    for c in conns:
-        c.close()
-    return secs
-
-
-def bench_schedule_throughput(url: str, broker: Broker, res, n_batches: int, clients: int, rounds: int) -> None:
-    total = n_batches * BATCH
-    log(f"\n== schedule throughput: {total} ops in {n_batches} batches of {BATCH}, {clients} concurrent clients ==")
-    best = {}
-    with connect(url) as conn:
-        for r in range(rounds):
-            for method in ("sql", "http"):
-                conn.execute("TRUNCATE queen.timers, bench.expected")
-                conn.execute("DELETE FROM queen.tenant_usage_deltas")
-                conn.execute("UPDATE queen.tenant_usage SET pending_timers = 0")
-                vacuum(conn, "queen.timers")
-                batches, _ = _ops(n_batches, f"s{r}")
-                if method == "http":
-                    bodies = [json.dumps({"operations": b}).encode() for b in batches]
-                    secs, codes = asyncio.run(_http_schedule(broker.url, bodies, clients))
-                    if codes.get(200, 0) != n_batches:
-                        log(f"  round {r + 1} http: status codes {codes} (expected {n_batches} x 200)")
-                        if 200 not in codes:
-                            res.put("schedule_throughput", http_error=f"status codes {codes}")
-                            return
-                else:
-                    secs = _sql_schedule(url, batches, clients)
-                got = conn.execute("SELECT count(*) FROM queen.timers WHERE queue = 'bench-sched'").fetchone()[0]
-                log(f"  round {r + 1} {method:4s}: {total / secs:8.0f} ops/s ({secs:.2f} s, {got} rows)")
-                best[method] = max(best.get(method, 0), total / secs)
-        conn.execute("TRUNCATE queen.timers")
-        conn.execute("DELETE FROM queen.tenant_usage_deltas")
-        conn.execute("UPDATE queen.tenant_usage SET pending_timers = 0")
-    ratio = best["http"] / best["sql"] if "http" in best else None
-    if ratio is not None:
-        log(f"  ratio http / sql: {ratio:.2f} (target >= 0.5)")
-    res.put("schedule_throughput", ops=total, clients=clients,
-            best_ops_per_s={k: round(v) for k, v in best.items()},
-            ratio_http_vs_sql=round(ratio, 3) if ratio else None)
 
 
 # -------------------------------------------------------------------------

@@ -28,8 +28,11 @@ LIMITS: dict[str, int] = {
 
 def check_name(name: str, value: str, where: str = "") -> None:
     """400 when `value` has a NUL, is not encodable Unicode, or is over the limit of `name`."""
-    check_text(value, f"{where}{name}")
-    size = len(value.encode("utf-8"))
+    if value.isascii() and "\x00" not in value:  # the common case: one byte a character, nothing to refuse
+        size = len(value)
+    else:
+        check_text(value, f"{where}{name}")
+        size = len(value.encode("utf-8"))
     limit = LIMITS[name]
     if size > limit:
         raise bad_request(f"{where}{name} is {size} bytes; at most {limit} (UTF-8)")

@@ -10,4 +10,5 @@ INSERT INTO queen.schema_migrations (version, name) VALUES
     (5, 'log_retention'),
     (6, 'cancel_fast'),
     (7, 'pending_deltas'),
-    (8, 'log_order');
+    (8, 'log_order'),
+    (10, 'schedule_path');

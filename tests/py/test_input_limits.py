@@ -236,6 +236,22 @@ def test_nesting_up_to_the_limit_is_accepted_and_brackets_in_strings_do_not_coun
     assert_json_error(r, 400, "timers_bad_request")
 
 
+@pytest.mark.parametrize("raw, deeper_than_2", [
+    (b'{"a": [[1]]}', True),
+    (b'{"a": [1], "b": {"c": 2}}', False),
+    (b'{"a": "[[[[{{{{", "b": [1]}', False),            # brackets in a string, no escape in the body
+    (b'{"a": "]]]]", "b": [[[1]]]}', True),              # a closing bracket in a string hides nothing
+    (b'{"a": "\\"[[[[", "b": [1]}', False),            # an escaped quote does not end the string
+    (b'{"a": "\\\\", "b": [[1]]}', True),              # an escaped backslash does not escape the quote
+    (b'[["' + b"[" * 50, False),                        # an unterminated string runs to the end
+])
+def test_json_depth_is_counted_outside_strings(raw, deeper_than_2):
+    """json_depth_exceeds cuts strings out by splitting on quotes when the body has no
+    backslash, by a regex otherwise: both ways count only the brackets outside strings."""
+    from queen_timers.bodies import json_depth_exceeds
+    assert json_depth_exceeds(raw, 2) is deeper_than_2
+
+
 def test_a_timer_payload_nested_2000_deep_is_delivered_as_base64_not_a_500(client, db):
     """The log hands out `data` as JSON when the bytes parse: a timer's bytes
     are anyone's, and a 2,000-deep array must not make pop a 500 (a message

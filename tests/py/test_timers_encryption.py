@@ -38,6 +38,19 @@ def test_encrypting_queue_stores_the_envelope(enc_client, db):
     assert base64.b64decode(peek["payload"]) == row["payload"]
 
 
+def test_a_batch_for_an_encrypting_queue_is_written_once(enc_client, db):
+    """The route asks which queues encrypt in the statement that schedules: a batch that
+    names one is not written by that first statement (only once, encrypted), so every
+    op is scheduled, not rescheduled, and billed once."""
+    r = post(enc_client, op("schedule", "a", queue="plain"), op("schedule", "b", queue="secret"),
+             op("reschedule", "c", queue="secret"))
+    assert [v["status"] for v in r.json()["results"]] == ["scheduled", "scheduled", "scheduled"]
+    usage = db.execute("SELECT pending_timers, billed_messages FROM queen.tenant_usage "
+                       "WHERE tenant = 'default'").fetchone()
+    assert (usage["pending_timers"], usage["billed_messages"]) == (3, 3)
+    assert {row["timer_key"]: row["encrypted"] for row in rows(db)} == {"a": False, "b": True, "c": True}
+
+
 def test_zstd_is_inflated_before_encryption(enc_client, db):
     packed = zstandard.ZstdCompressor().compress(b"hello " * 50)
     post(enc_client, op("schedule", "z", queue="secret", payload=b64(packed), payloadZstd=True))

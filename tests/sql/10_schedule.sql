@@ -1,7 +1,7 @@
 -- schedule_timers / cancel_timer: every verdict, the upsert's resets,
 -- deliver_at from PostgreSQL's clock, metering and the pending counter.
 BEGIN;
-SELECT plan(56);
+SELECT plan(65);
 
 -- Helpers (pg_temp, gone with the transaction). The clock is pinned at T0.
 CREATE FUNCTION pg_temp.t0() RETURNS timestamptz LANGUAGE sql AS $$ SELECT '2030-01-01 00:00:00+00'::timestamptz $$;
@@ -141,6 +141,42 @@ SELECT is((SELECT count(*) FROM pg_temp.sched('{}')), 0::bigint, 'an empty batch
 SELECT is(queen.make_timer_op('schedule', 'q', 'k', p_delay_ms => 5, p_txn => 't', p_payload => '\x01', p_partition => 'p'),
           ROW('schedule', 'q', 'k', 5, 't', '\x01'::bytea, 'p', NULL, NULL, NULL)::queen.timer_op,
           'make_timer_op builds a timer_op with named arguments');
+
+-- ---------------------------------------------------------------- one statement for a batch without cancels
+-- scheduled, rescheduled and too_late in one batch, input order not key order:
+-- the set-based path must answer each op with its own verdict.
+SELECT is((SELECT status FROM pg_temp.sched(ARRAY[pg_temp.op('schedule', 'q3', 'held', -1000)])), 'scheduled',
+          'setup: a due timer in q3');
+SELECT is((SELECT count(*) FROM queen.claim_timers('broker-2', 10, 30000, pg_temp.t0()) WHERE timer_key = 'held'),
+          1::bigint, 'setup: a broker claims it');
+CREATE TEMP TABLE before_v8 AS SELECT pg_temp.billed() AS billed, pg_temp.pending() AS pending;
+CREATE TEMP TABLE v8 AS SELECT * FROM pg_temp.sched(ARRAY[
+    pg_temp.op('schedule', 'q3', 'zz-new', 2000, 'txn-zz'), pg_temp.op('reschedule', 'q3', 'held', 1000, 'no'),
+    pg_temp.op('schedule', 'q1', 'alpha', 3000, 'txn-alpha-2'), pg_temp.op('reschedule', 'q3', 'aa-new', 4000)],
+    p_at => pg_temp.t0() + interval '1 second');
+SELECT results_eq('SELECT ordinal, op, status, ok, queue, timer_key, message_id IS NOT NULL, deliver_at FROM v8 ORDER BY ordinal',
+                  $$VALUES (1, 'schedule', 'scheduled', true, 'q3', 'zz-new', true, pg_temp.t0() + interval '3 seconds'),
+                           (2, 'reschedule', 'too_late', false, 'q3', 'held', false, NULL::timestamptz),
+                           (3, 'schedule', 'rescheduled', true, 'q1', 'alpha', true, pg_temp.t0() + interval '4 seconds'),
+                           (4, 'reschedule', 'scheduled', true, 'q3', 'aa-new', true, pg_temp.t0() + interval '5 seconds')$$,
+                  'a batch of upserts: one verdict per op, in input order, each with its own status and deliver_at');
+SELECT results_eq($$SELECT v.txn, v.message_id FROM v8 v WHERE v.ok ORDER BY v.ordinal$$,
+                  $$SELECT t.txn, t.message_id FROM v8 v JOIN queen.timers t
+                      ON t.tenant = 'acme' AND t.queue = v.queue AND t.timer_key = v.timer_key
+                     WHERE v.ok ORDER BY v.ordinal$$,
+                  'each accepted verdict carries the txn and message id stored in its own row');
+SELECT is((SELECT txn FROM v8 WHERE ordinal = 2), 'no', 'too_late echoes the txn supplied');
+SELECT ok((SELECT txn FROM v8 WHERE ordinal = 4) ~ '^[0-9a-f-]{36}$', 'a reschedule without txn gets a minted one');
+SELECT is((SELECT (pg_temp.billed() - billed, pg_temp.pending() - pending)::text FROM before_v8), '(3,2)',
+          'metering: three accepted upserts billed, two new rows pending, the too_late one neither');
+-- rows written by one statement share its command id (cmin); op by op, each has its own
+SELECT is((SELECT count(DISTINCT cmin::text) FROM queen.timers
+            WHERE tenant = 'acme' AND (queue, timer_key) IN (('q3', 'zz-new'), ('q1', 'alpha'), ('q3', 'aa-new'))),
+          1::bigint, 'a batch without cancels is written by one statement');
+CREATE TEMP TABLE v9 AS SELECT * FROM pg_temp.sched(ARRAY[
+    pg_temp.op('schedule', 'q4', 'x1'), pg_temp.op('cancel', 'q4', 'nothing'), pg_temp.op('schedule', 'q4', 'x2')]);
+SELECT is((SELECT count(DISTINCT cmin::text) FROM queen.timers WHERE tenant = 'acme' AND queue = 'q4'),
+          2::bigint, 'a batch with a cancel goes op by op');
 
 SELECT * FROM finish();
 ROLLBACK;
