@@ -135,12 +135,17 @@ $$;
 -- lease expired (its broker died) is due again. Nothing is claimed
 -- while the fire is paused. p_zstd_only: only rows whose frame needs the
 -- broker (zstd to inflate); fire_due_timers takes the rest, lease-free.
+-- p_max_bytes (NULL: no bound) bounds the stored payload bytes claimed:
+-- rows are taken in expiry order while the bytes before them are under
+-- it, so the first row is always claimed, however large; the rows left
+-- are not claimed (their row locks end with the statement).
 CREATE FUNCTION queen.claim_timers(
-    p_broker   text,
-    p_limit    integer     DEFAULT 100,
+    p_broker    text,
+    p_limit     integer     DEFAULT 100,
     p_lease_ms  integer     DEFAULT 30000,
     p_now       timestamptz DEFAULT NULL,
-    p_zstd_only boolean     DEFAULT false)
+    p_zstd_only boolean     DEFAULT false,
+    p_max_bytes bigint      DEFAULT NULL)
 RETURNS SETOF queen.claimed_timer
 LANGUAGE plpgsql SET plan_cache_mode = force_custom_plan AS $$
 DECLARE
@@ -152,7 +157,8 @@ BEGIN
     END IF;
     RETURN QUERY
     WITH due AS (
-        SELECT t.tenant, t.queue, t.timer_key
+        -- octet_length of a stored bytea reads its TOAST header, not the bytes
+        SELECT t.tenant, t.queue, t.timer_key, t.deliver_at, octet_length(t.payload) AS bytes
           FROM queen.timers t
          WHERE t.deliver_at <= v_now
            AND NOT queen.timer_is_claimed(t.lease_until, v_now)
@@ -160,11 +166,17 @@ BEGIN
          ORDER BY t.deliver_at
          LIMIT greatest(p_limit, 0)
            FOR UPDATE SKIP LOCKED
+    ), fit AS (
+        SELECT d.tenant, d.queue, d.timer_key
+          FROM (SELECT d.*, coalesce(sum(d.bytes) OVER (ORDER BY d.deliver_at, d.tenant, d.queue, d.timer_key
+                                                        ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING), 0) AS before
+                  FROM due d) d
+         WHERE p_max_bytes IS NULL OR d.before < greatest(p_max_bytes, 1)
     ), claimed AS (
         UPDATE queen.timers t
            SET claim_id = v_claim, claimed_by = p_broker,
                lease_until = v_now + greatest(p_lease_ms, 1) * interval '1 millisecond'
-          FROM due
+          FROM fit due
          WHERE (t.tenant, t.queue, t.timer_key) = (due.tenant, due.queue, due.timer_key)
         RETURNING t.tenant, t.queue, t.timer_key, t.partition, t.deliver_at, t.lease_until,
                   t.txn, t.message_id, t.payload, t.payload_zstd, t.encrypted, t.attempts

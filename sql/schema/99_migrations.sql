@@ -9,4 +9,5 @@ INSERT INTO queen.schema_migrations (version, name) VALUES
     (4, 'input_limits'),
     (5, 'log_retention'),
     (6, 'cancel_fast'),
-    (7, 'pending_deltas');
+    (7, 'pending_deltas'),
+    (9, 'fire_path');
