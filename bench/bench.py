@@ -191,6 +191,8 @@ def main() -> int:
     ap.add_argument("--rss-n", type=int, default=1000000, help="due plain timers the rss broker drains")
     ap.add_argument("--rss-zstd-n", type=int, default=300, help="due zstd timers among them (leased path)")
     ap.add_argument("--rss-zstd-bytes", type=int, default=1000000, help="inflated size of each zstd payload")
+    ap.add_argument("--rss-batch-bytes", type=int, default=0,
+                    help="QUEEN_SWEEPER_BATCH_BYTES of the rss broker (0: the default)")
     ap.add_argument("--sched-batches", type=int, default=100)
     ap.add_argument("--clients", type=int, default=4)
     ap.add_argument("--lag-rate", type=int, default=1000)
@@ -275,7 +277,8 @@ def main() -> int:
         if broker:
             broker.stop()
             broker = None
-        section("rss", scale.bench_rss, cluster, url, res, args.rss_n, args.rss_zstd_n, args.rss_zstd_bytes)
+        section("rss", scale.bench_rss, cluster, url, res, args.rss_n, args.rss_zstd_n, args.rss_zstd_bytes,
+                **({"QUEEN_SWEEPER_BATCH_BYTES": args.rss_batch_bytes} if args.rss_batch_bytes else {}))
         section("kill", drills.drill_kill, cluster, res, args.kills)
         section("pool", drills.drill_pool, cluster, res, args.pool_clients)
         section("pgrestart", drills.drill_pg_restart, cluster, res, args.pg_restart_seconds)

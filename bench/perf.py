@@ -86,15 +86,22 @@ def fire_sql_function(conn, batch: int = BATCH) -> float:
     return time.perf_counter() - t0
 
 
+def last_commit(conn) -> float | None:
+    """The commit instant of the last frame in the log (track_commit_timestamp), on the database clock."""
+    return conn.execute("SELECT extract(epoch FROM max(pg_xact_commit_timestamp(xmin)))::float8 "
+                        "FROM queen.messages").fetchone()[0]
+
+
 def fire_by_broker(conn, queue: str, timeout: float) -> dict:
     """Resume the fire and time the broker's sweeper until the queue is empty.
 
-    Returns seconds from resume to empty, and from the first fire
-    transaction's start (min messages.created_at) to empty, both on the
-    database clock."""
+    Returns seconds from resume to the last frame's commit, and from the first fire
+    transaction's start (min messages.created_at) to it, all on the database clock. The
+    poll for "empty" is lazy (0.2 s) and not part of the figure, so that it takes no CPU
+    from the fire it measures."""
     t_resume = conn.execute("SELECT queen.resume_fire(), extract(epoch FROM clock_timestamp())::float8").fetchone()[1]
-    ok = wait_until(lambda: not exists_pending(conn, queue), timeout, 0.02)
-    t_end = db_now(conn)
+    ok = wait_until(lambda: not exists_pending(conn, queue), timeout, 0.2)
+    t_end = last_commit(conn) or db_now(conn)
     first = conn.execute("SELECT extract(epoch FROM min(created_at))::float8 FROM queen.messages").fetchone()[0]
     return {"drained": ok, "resume_to_empty": t_end - t_resume,
             "first_fire_to_empty": (t_end - first) if first else None}

@@ -19,7 +19,7 @@ from pathlib import Path
 import zstandard
 
 from harness import Broker, Cluster, connect, load_timers, log, reset, start_broker, wait_until
-from perf import bench_lag, vacuum
+from perf import bench_lag, last_commit, vacuum
 
 TICK = os.sysconf("SC_CLK_TCK")
 
@@ -106,12 +106,13 @@ def _load_queues(conn, n: int, queues: list[str], prefix: str) -> None:
 
 
 def _drain(conn, timeout: float) -> float | None:
-    """Resume the fire; seconds from the first fire transaction's start to an empty timers table."""
+    """Resume the fire; seconds from the first fire transaction's start to the last frame's commit
+    (the poll for an empty table is lazy and not part of the figure)."""
     conn.execute("SELECT queen.resume_fire()")
     ok = wait_until(lambda: not conn.execute("SELECT EXISTS (SELECT 1 FROM queen.timers)").fetchone()[0],
-                    timeout, 0.02)
-    t_end = conn.execute("SELECT extract(epoch FROM clock_timestamp())::float8").fetchone()[0]
+                    timeout, 0.2)
     conn.execute("SELECT queen.pause_fire()")
+    t_end = last_commit(conn)
     first = conn.execute("SELECT extract(epoch FROM min(created_at))::float8 FROM queen.messages").fetchone()[0]
     return (t_end - first) if ok and first else None
 
@@ -204,9 +205,10 @@ def _rss_kb(pid: int) -> int | None:
     return None
 
 
-def bench_rss(cluster: Cluster, url: str, res, n: int, zstd_n: int, zstd_bytes: int, limit_mb: float = 200) -> None:
+def bench_rss(cluster: Cluster, url: str, res, n: int, zstd_n: int, zstd_bytes: int, limit_mb: float = 200,
+              **env) -> None:
     log(f"\n== rss: one broker drains {n} due plain timers and {zstd_n} zstd timers of {zstd_bytes} bytes "
-        f"inflated (the leased path); VmRSS sampled every 0.5 s ==")
+        f"inflated (the leased path); VmRSS sampled every 0.5 s{f'; broker env {env}' if env else ''} ==")
     with connect(url) as conn:
         reset(conn)
         conn.execute("SELECT queen.pause_fire()")
@@ -226,7 +228,7 @@ def bench_rss(cluster: Cluster, url: str, res, n: int, zstd_n: int, zstd_bytes: 
             conn.execute("SELECT queen.bump_tenant_usage('default', %s, 0)", (zstd_n,))
         vacuum(conn)
         log(f"  loaded in {time.perf_counter() - t0:.1f} s")
-        b = start_broker(url, "rss")
+        b = start_broker(url, "rss", **env)
         try:
             time.sleep(1)
             base = _rss_kb(b.proc.pid)
@@ -259,6 +261,6 @@ def bench_rss(cluster: Cluster, url: str, res, n: int, zstd_n: int, zstd_bytes: 
     log(f"  VmRSS: idle before {base / 1024:.1f} MB, max while draining {mx / 1024:.1f} MB, after {end / 1024:.1f} MB "
         f"(target max <= {limit_mb:g} MB) -> {'met' if mx / 1024 <= limit_mb else 'MISSED'}")
     log(f"  {_cpu_text(c)}")
-    res.put("rss", n=n, zstd_n=zstd_n, zstd_bytes=zstd_bytes, fired=fired, drain_s=round(secs, 2) if secs else None,
+    res.put("rss", env=env, n=n, zstd_n=zstd_n, zstd_bytes=zstd_bytes, fired=fired, drain_s=round(secs, 2) if secs else None,
             rss_idle_mb=round(base / 1024, 1), rss_max_mb=round(mx / 1024, 1), rss_after_mb=round(end / 1024, 1),
             samples=len(samples), target_mb=limit_mb, cpu=c)
