@@ -180,7 +180,7 @@ def main() -> int:
     ap.add_argument("--fire-n", type=int, default=50000)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--fire-rounds", type=int, default=5, help="rounds of the fire section (>= 5 for the verdict)")
-    ap.add_argument("--fire-alt-batch", type=int, default=256,
+    ap.add_argument("--fire-alt-batch", type=int, default=1024,
                     help="round 1 of the fire section also times a broker with this QUEEN_SWEEPER_BATCH (0: none)")
     ap.add_argument("--scale-n", type=int, default=50000, help="due timers per scale run")
     ap.add_argument("--scale-rounds", type=int, default=5)

@@ -31,7 +31,9 @@ def lag_summary_sql(fire: str) -> str:
     """One row summing a fire call's queen.fire_result rows: counts by outcome, and the fire
     lags of the fired ones (fired_at - deliver_at, floored at 0) as a histogram: their sum
     and, per LAG_BUCKETS bound, how many are <= it. PostgreSQL does the per-timer work, so
-    the broker adds 14 numbers per call instead of observing every timer (sweeper.SUMMARY)."""
+    the broker adds 14 numbers per call instead of observing every timer (sweeper.SUMMARY).
+    The lag is computed once per row (OFFSET 0 keeps the subquery from being flattened into
+    every FILTER) and in float8 (date_part; extract() would compute it in numeric)."""
     les = ",\n             ".join(f"count(*) FILTER (WHERE r.outcome = 'fired' AND r.lag <= {b!r})"
                                    for b in LAG_BUCKETS)
     return f"""
@@ -41,8 +43,9 @@ SELECT count(*) AS n,
        count(*) FILTER (WHERE r.outcome = 'lost') AS lost,
        coalesce(sum(r.lag) FILTER (WHERE r.outcome = 'fired'), 0) AS lag_sum,
        ARRAY[{les}] AS lag_le
-  FROM (SELECT f.outcome, greatest(extract(epoch FROM f.fired_at - f.deliver_at)::float8, 0) AS lag
-          FROM ({fire}) f) r
+  FROM (SELECT f.outcome, greatest(date_part('epoch', f.fired_at - f.deliver_at), 0) AS lag
+          FROM ({fire}) f
+        OFFSET 0) r
 """
 
 
