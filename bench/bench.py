@@ -26,10 +26,11 @@ import drills  # noqa: E402
 import failover  # noqa: E402
 import perf  # noqa: E402
 import retention  # noqa: E402
+import scale  # noqa: E402
 import schedule  # noqa: E402
 
-SECTIONS = ("fire", "schedule", "lag", "growth", "profile", "retention", "cancel", "kill", "pgrestart", "pool",
-            "failover")
+SECTIONS = ("fire", "scale", "schedule", "lag", "lag2", "growth", "profile", "retention", "cancel", "rss", "kill",
+            "pgrestart", "pool", "failover")
 
 
 def machine() -> dict:
@@ -179,6 +180,20 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="small sizes everywhere (a smoke run of a minute or two)")
     ap.add_argument("--fire-n", type=int, default=50000)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--fire-rounds", type=int, default=5, help="rounds of the fire section (>= 5 for the verdict)")
+    ap.add_argument("--fire-alt-batch", type=int, default=1024,
+                    help="round 1 of the fire section also times a broker with this QUEEN_SWEEPER_BATCH (0: none)")
+    ap.add_argument("--scale-n", type=int, default=50000, help="due timers per scale run")
+    ap.add_argument("--scale-rounds", type=int, default=5)
+    ap.add_argument("--lag2-rate", type=int, default=2000)
+    ap.add_argument("--lag2-seconds", type=float, default=60)
+    ap.add_argument("--lag2-brokers", type=int, default=2)
+    ap.add_argument("--lag2-target-ms", type=float, default=30)
+    ap.add_argument("--rss-n", type=int, default=1000000, help="due plain timers the rss broker drains")
+    ap.add_argument("--rss-zstd-n", type=int, default=300, help="due zstd timers among them (leased path)")
+    ap.add_argument("--rss-zstd-bytes", type=int, default=1000000, help="inflated size of each zstd payload")
+    ap.add_argument("--rss-batch-bytes", type=int, default=0,
+                    help="QUEEN_SWEEPER_BATCH_BYTES of the rss broker (0: the default)")
     ap.add_argument("--sched-batches", type=int, default=100)
     ap.add_argument("--sched-rounds", type=int, default=5, help="schedule section: rotating rounds (>= 5)")
     ap.add_argument("--clients", type=int, default=4)
@@ -204,6 +219,8 @@ def main() -> int:
     args = ap.parse_args()
     if args.quick:
         args.fire_n, args.rounds, args.sched_batches = 5000, 1, 10
+        args.fire_rounds, args.scale_n, args.scale_rounds, args.lag2_seconds = 2, 5000, 1, 5
+        args.rss_n, args.rss_zstd_n = 50000, 20
         args.lag_seconds, args.growth_sizes, args.growth_batch, args.growth_lag_seconds = 5, "10000", 2000, 3
         args.kills, args.pg_restart_seconds, args.pool_clients = 5, 9, 16
         args.failover_seconds = 10
@@ -228,7 +245,7 @@ def main() -> int:
             f"PostgreSQL {m['postgresql']} (fsync={args.fsync}); cluster {cluster.dir} port {cluster.port}")
         res.put("machine", **m, args=vars(args))
         url = cluster.create_db("queen_bench")
-        perf_sections = only & {"fire", "schedule", "lag", "growth", "profile", "cancel"}
+        perf_sections = only & {"fire", "scale", "schedule", "lag", "lag2", "growth", "profile", "cancel"}
         if perf_sections:
             broker = start_broker(url, "perf")
 
@@ -242,10 +259,14 @@ def main() -> int:
                 log(f"  SECTION {name} FAILED:\n{traceback.format_exc()}")
                 res.put(name, error=traceback.format_exc().splitlines()[-1])
 
-        section("fire", perf.bench_fire_throughput, url, broker, res, args.fire_n, args.rounds)
+        section("fire", perf.bench_fire_throughput, url, broker, res, args.fire_n, args.fire_rounds,
+                args.fire_alt_batch if args.fire_alt_batch and args.fire_alt_batch != perf.BATCH else None)
+        section("scale", scale.bench_scale, cluster, url, broker, res, args.scale_n, args.scale_rounds)
         section("schedule", schedule.bench_schedule, url, broker, res, args.sched_batches, args.clients,
                 args.sched_rounds)
         section("lag", perf.bench_lag, url, broker, res, args.lag_rate, args.lag_seconds)
+        section("lag2", scale.bench_lag_brokers, cluster, url, broker, res, args.lag2_rate, args.lag2_seconds,
+                args.lag2_brokers, args.lag2_target_ms)
         section("profile", bench_profile, url, broker, res, args.fire_n)
         section("cancel", cancel.bench_cancel, url, broker, res, args.cancel_n, args.cancel_rounds,
                 args.cancel_http_n, args.cancel_load_seconds, args.lag_rate)
@@ -258,6 +279,8 @@ def main() -> int:
         if broker:
             broker.stop()
             broker = None
+        section("rss", scale.bench_rss, cluster, url, res, args.rss_n, args.rss_zstd_n, args.rss_zstd_bytes,
+                **({"QUEEN_SWEEPER_BATCH_BYTES": args.rss_batch_bytes} if args.rss_batch_bytes else {}))
         section("kill", drills.drill_kill, cluster, res, args.kills)
         section("pool", drills.drill_pool, cluster, res, args.pool_clients)
         section("pgrestart", drills.drill_pg_restart, cluster, res, args.pg_restart_seconds)

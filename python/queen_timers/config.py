@@ -78,6 +78,8 @@ class Settings:
     sweeper_lease_ms: int = 30000
     sweeper_max_attempts: int = 5
     sweeper_batch: int = 256
+    # the leased (zstd) path: stored payload bytes claimed per call, and inflated bytes held before a fire call
+    sweeper_batch_bytes: int = 16 * 1024 * 1024
     sweeper_backoff_ms: int = 1000
     sweeper_backoff_max_ms: int = 300000
     # log retention (queen.apply_retention): 0 = this broker runs none
@@ -119,6 +121,7 @@ class Settings:
             sweeper_lease_ms=_int(env, "QUEEN_SWEEPER_LEASE_MS", 30000, 1),
             sweeper_max_attempts=_int(env, "QUEEN_SWEEPER_MAX_ATTEMPTS", 5, 1),
             sweeper_batch=_int(env, "QUEEN_SWEEPER_BATCH", 256, 1),
+            sweeper_batch_bytes=_int(env, "QUEEN_SWEEPER_BATCH_BYTES", 16 * 1024 * 1024, 1),
             sweeper_backoff_ms=_int(env, "QUEEN_SWEEPER_BACKOFF_MS", 1000, 1),
             sweeper_backoff_max_ms=_int(env, "QUEEN_SWEEPER_BACKOFF_MAX_MS", 300000, 1),
             retention_interval_ms=_int(env, "QUEEN_RETENTION_INTERVAL_MS", 60000, 0),

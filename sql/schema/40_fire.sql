@@ -135,12 +135,17 @@ $$;
 -- lease expired (its broker died) is due again. Nothing is claimed
 -- while the fire is paused. p_zstd_only: only rows whose frame needs the
 -- broker (zstd to inflate); fire_due_timers takes the rest, lease-free.
+-- p_max_bytes (NULL: no bound) bounds the stored payload bytes claimed:
+-- rows are taken in expiry order while the bytes before them are under
+-- it, so the first row is always claimed, however large; the rows left
+-- are not claimed (their row locks end with the statement).
 CREATE FUNCTION queen.claim_timers(
-    p_broker   text,
-    p_limit    integer     DEFAULT 100,
+    p_broker    text,
+    p_limit     integer     DEFAULT 100,
     p_lease_ms  integer     DEFAULT 30000,
     p_now       timestamptz DEFAULT NULL,
-    p_zstd_only boolean     DEFAULT false)
+    p_zstd_only boolean     DEFAULT false,
+    p_max_bytes bigint      DEFAULT NULL)
 RETURNS SETOF queen.claimed_timer
 LANGUAGE plpgsql SET plan_cache_mode = force_custom_plan AS $$
 DECLARE
@@ -152,7 +157,8 @@ BEGIN
     END IF;
     RETURN QUERY
     WITH due AS (
-        SELECT t.tenant, t.queue, t.timer_key
+        -- octet_length of a stored bytea reads its TOAST header, not the bytes
+        SELECT t.tenant, t.queue, t.timer_key, t.deliver_at, octet_length(t.payload) AS bytes
           FROM queen.timers t
          WHERE t.deliver_at <= v_now
            AND NOT queen.timer_is_claimed(t.lease_until, v_now)
@@ -160,11 +166,17 @@ BEGIN
          ORDER BY t.deliver_at
          LIMIT greatest(p_limit, 0)
            FOR UPDATE SKIP LOCKED
+    ), fit AS (
+        SELECT d.tenant, d.queue, d.timer_key
+          FROM (SELECT d.*, coalesce(sum(d.bytes) OVER (ORDER BY d.deliver_at, d.tenant, d.queue, d.timer_key
+                                                        ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING), 0) AS before
+                  FROM due d) d
+         WHERE p_max_bytes IS NULL OR d.before < greatest(p_max_bytes, 1)
     ), claimed AS (
         UPDATE queen.timers t
            SET claim_id = v_claim, claimed_by = p_broker,
                lease_until = v_now + greatest(p_lease_ms, 1) * interval '1 millisecond'
-          FROM due
+          FROM fit due
          WHERE (t.tenant, t.queue, t.timer_key) = (due.tenant, due.queue, due.timer_key)
         RETURNING t.tenant, t.queue, t.timer_key, t.partition, t.deliver_at, t.lease_until,
                   t.txn, t.message_id, t.payload, t.payload_zstd, t.encrypted, t.attempts
@@ -224,7 +236,9 @@ $$;
 -- The common case is one statement with a plain INSERT (no join back from
 -- the log, no ON CONFLICT arbiter: together they halved the fire rate);
 -- a txn already in its partition raises unique_violation, and the batch
--- is redone through append_timer_frames, which answers 'duplicate'.
+-- is redone through append_timer_frames, which answers 'duplicate'. The
+-- exception block's subtransaction costs nothing measurable per batch
+-- (removing it: same rate); an ON CONFLICT arbiter on every row cost ~10 %.
 CREATE FUNCTION queen.fire_due_timers(
     p_limit integer     DEFAULT 100,
     p_now   timestamptz DEFAULT NULL)
@@ -240,7 +254,7 @@ BEGIN
     END IF;
     BEGIN
         WITH due AS (
-            SELECT t.tenant, t.queue, t.timer_key
+            SELECT t.ctid AS row_id
               FROM queen.timers t
              WHERE t.deliver_at <= v_now
                AND NOT t.payload_zstd
@@ -249,8 +263,13 @@ BEGIN
              LIMIT greatest(p_limit, 0)
                FOR UPDATE SKIP LOCKED
         ), gone AS (
+            -- by the locked row's ctid: one TID fetch per row. A join on the key
+            -- let the cached plan hash the whole table (a seq scan of every
+            -- pending timer per batch: bench/RESULTS.md). A row another
+            -- transaction updated after this statement's snapshot is not deleted
+            -- (its new version is not the snapshot's): it stays for a later batch.
             DELETE FROM queen.timers t USING due d
-             WHERE t.tenant = d.tenant AND t.queue = d.queue AND t.timer_key = d.timer_key
+             WHERE t.ctid = d.row_id
             RETURNING t.*
         ), parts AS (
             -- every destination partition (of the timer's tenant's queue), created

@@ -11,4 +11,5 @@ INSERT INTO queen.schema_migrations (version, name) VALUES
     (6, 'cancel_fast'),
     (7, 'pending_deltas'),
     (8, 'log_order'),
+    (9, 'fire_path'),
     (10, 'schedule_path');

@@ -54,6 +54,24 @@ def test_zstd_timers_are_delivered_decompressed(sdb, sweeper_broker):
     assert sample(s, "queen_timers_fired_total", outcome="fired") == 6
 
 
+def test_leased_path_bounded_by_bytes_fires_everything_once(sdb, sweeper_broker):
+    # QUEEN_SWEEPER_BATCH_BYTES=6000: the claim stops once the stored bytes before a row reach it
+    # (the stored zstd payloads are a few dozen bytes, so claims of many rows), and the inflated
+    # frames (5 kB each) are fired whenever they reach 6000 bytes: two at a time. Every timer
+    # still fires exactly once, in its own frame, decompressed; the lag histogram counts them all.
+    b = sweeper_broker(QUEEN_BROKER_ID="bytes-broker", QUEEN_SWEEPER_BATCH_BYTES=6000)
+    body = b'{"note":"' + b"y" * 5000 + b'"}'
+    schedule(sdb, [timer("bq", f"k{i:02d}", 0, body + str(i).encode(), compressed=True) for i in range(25)])
+    wait_until(lambda: timer_count(sdb) == 0, 15, message="zstd timers fired")
+    frames = {m["txn"]: bytes(m["payload"]) for m in messages(sdb)}
+    assert frames == {f"txn-bq-k{i:02d}": body + str(i).encode() for i in range(25)}
+    _, s = scrape(b)
+    assert sample(s, "queen_timers_fired_total", outcome="fired") == 25
+    assert sample(s, "queen_timers_fire_lag_seconds_count") == 25
+    assert sample(s, "queen_timers_fire_lag_seconds_bucket", le="+Inf") == 25
+    assert sample(s, "queen_timers_fire_lag_seconds_bucket", le="300.0") == 25
+
+
 def test_cancel_while_claimed_is_too_late(sdb, sweeper_url):
     # No broker needed: claim it from SQL as a broker would, at a pinned future instant.
     schedule(sdb, [timer("tl", "held", 60_000, b"p")])

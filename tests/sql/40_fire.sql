@@ -2,7 +2,7 @@
 -- pause, lost claims, payload override (zstd), duplicates, what
 -- fire_due_timers leaves to the leased path.
 BEGIN;
-SELECT plan(42);
+SELECT plan(52);
 
 CREATE FUNCTION pg_temp.t0() RETURNS timestamptz LANGUAGE sql AS $$ SELECT '2030-01-01 00:00:00+00'::timestamptz $$;
 CREATE FUNCTION pg_temp.at(p_seconds numeric) RETURNS timestamptz LANGUAGE sql AS $$ SELECT pg_temp.t0() + p_seconds * interval '1 second' $$;
@@ -87,11 +87,15 @@ SELECT is((SELECT payload FROM queen.messages WHERE transaction_id = 'txn-zipped
 
 -- ---------------------------------------------------------------- duplicate txn in the partition
 SELECT lives_ok($$SELECT * FROM pg_temp.sched(ARRAY[pg_temp.op('dup', 0, 'txn-first', p_queue => 'fq')])$$, 'setup: a timer reusing a txn already delivered');
+CREATE TEMP TABLE p5 AS SELECT pg_temp.pending() AS n;
 CREATE TEMP TABLE f5 AS SELECT * FROM queen.fire_due_timers(100, pg_temp.at(30));
 SELECT results_eq($$SELECT timer_key, outcome FROM f5 ORDER BY timer_key$$, $$VALUES ('dup', 'duplicate'), ('third', 'fired')$$,
                   'a txn already in the partition answers duplicate');
 SELECT is((SELECT count(*) FROM queen.messages WHERE transaction_id = 'txn-first'), 1::bigint, 'no second frame');
 SELECT is((SELECT count(*) FROM queen.timers WHERE timer_key IN ('dup', 'third')), 0::bigint, 'the duplicate row is deleted too');
+SELECT is(pg_temp.pending(), (SELECT n - 2 FROM p5), 'the pending counter drops by both rows, the duplicate''s too');
+SELECT is((SELECT count(*) FROM queen.messages m JOIN f5 ON f5.message_id = m.id WHERE f5.outcome = 'duplicate'), 0::bigint,
+          'the duplicate''s own message id never entered the log');
 
 -- ---------------------------------------------------------------- fire_due_timers leaves zstd and claimed rows alone
 SELECT lives_ok($$SELECT * FROM pg_temp.sched(ARRAY[pg_temp.op('plain', 0), pg_temp.op('z2', 0, p_zstd => true), pg_temp.op('held', -1000),
@@ -109,6 +113,27 @@ SELECT lives_ok($$SELECT * FROM pg_temp.sched(ARRAY[pg_temp.op('plain3', 0)])$$,
 SELECT results_eq($$SELECT timer_key COLLATE "default" FROM queen.claim_timers('b6', 10, 60000, pg_temp.at(40), p_zstd_only => true)$$,
                   $$VALUES ('z2')$$, 'p_zstd_only claims the zstd row and leaves the plain one');
 SELECT is((SELECT claimed FROM queen.peek_timer('acme', 'fq', 'plain3', pg_temp.at(40))), false, 'the plain row stays for fire_due_timers');
+
+-- ---------------------------------------------------------------- the leased claim bounded by bytes
+-- each payload is 'payload of bzN': 14 bytes
+SELECT lives_ok($$SELECT * FROM pg_temp.sched(ARRAY[pg_temp.op('bz1', 41000, p_zstd => true), pg_temp.op('bz2', 42000, p_zstd => true),
+                                                     pg_temp.op('bz3', 43000, p_zstd => true)])$$, 'setup: three zstd timers of 14 bytes');
+SELECT results_eq($$SELECT timer_key COLLATE "default" FROM queen.claim_timers('b7', 10, 60000, pg_temp.at(50), p_zstd_only => true, p_max_bytes => 20)$$,
+                  $$VALUES ('bz1'), ('bz2')$$, 'p_max_bytes: rows are claimed in expiry order while the bytes before them are under the bound');
+SELECT is((SELECT claim_id FROM queen.timers WHERE timer_key = 'bz3'), NULL, 'the row past the bound is left unclaimed');
+SELECT results_eq($$SELECT timer_key COLLATE "default" FROM queen.claim_timers('b7', 10, 60000, pg_temp.at(50), p_zstd_only => true, p_max_bytes => 1)$$,
+                  $$VALUES ('bz3')$$, 'the first row is claimed however large it is');
+
+-- ---------------------------------------------------------------- two timers of one txn in one batch
+SELECT lives_ok($$SELECT * FROM pg_temp.sched(ARRAY[pg_temp.op('twin-b', 52000, 'txn-twin'), pg_temp.op('twin-a', 51000, 'txn-twin')])$$,
+                'setup: two timers with one txn');
+CREATE TEMP TABLE p6 AS SELECT pg_temp.pending() AS n;
+CREATE TEMP TABLE f6 AS SELECT * FROM queen.fire_due_timers(100, pg_temp.at(55));
+SELECT results_eq($$SELECT timer_key COLLATE "default", outcome FROM f6 ORDER BY deliver_at$$,
+                  $$VALUES ('plain3', 'fired'), ('twin-a', 'fired'), ('twin-b', 'duplicate')$$,
+                  'one txn twice in one batch: the earlier timer fires, the later one is a duplicate');
+SELECT is((SELECT count(*) FROM queen.messages WHERE transaction_id = 'txn-twin'), 1::bigint, 'one frame for the txn');
+SELECT is(pg_temp.pending(), (SELECT n - 3 FROM p6), 'the pending counter drops by every row fired or duplicate');
 
 SELECT * FROM finish();
 ROLLBACK;
