@@ -570,6 +570,7 @@ def bench_cancel(url: str, broker: Broker, res, n: int, rounds: int, http_n: int
                       load_clients, generator, load_only, variants or {})
     finally:
         for b in (variants or {}).values():
+            b.proc.send_signal(signal.SIGCONT)
             b.stop()
 
 
@@ -585,7 +586,8 @@ def _bench_cancel(url, broker, res, n, rounds, http_n, load_seconds, fire_rate, 
     sql_runs: dict[str, list[dict]] = {"cancel_timer": [], "bare_delete": []}
     with connect(url) as admin, psycopg.connect(url, autocommit=True) as client:
         client.execute("SET pg_stat_statements.track = 'top'")
-        broker.proc.send_signal(signal.SIGSTOP)
+        for b in (broker, *variants.values()):  # no broker's sweeper takes part in the SQL rounds
+            b.proc.send_signal(signal.SIGSTOP)
         try:
             for r in range(rounds):
                 order = ("cancel_timer", "bare_delete") if r % 2 == 0 else ("bare_delete", "cancel_timer")
@@ -622,18 +624,29 @@ def _bench_cancel(url, broker, res, n, rounds, http_n, load_seconds, fire_rate, 
 
         log(f"\n== cancel over HTTP: DELETE /api/v1/timers/:queue/:key, {http_n} per run, 1 and 4 clients, "
             f"{rounds} alternating rounds ==")
-        http_runs: dict[int, list[dict]] = {1: [], 4: []}
+        # 1 and 4 clients on the broker; with --cancel-load-variant, 1 client on each variant
+        # broker too (the others stopped meanwhile)
+        kinds: list[tuple[str, int, Broker]] = [("1", 1, broker), ("4", 4, broker)]
+        kinds += [(f"1 {name}", 1, b) for name, b in variants.items()]
+        all_brokers = [broker, *variants.values()]
+        http_runs: dict[str, list[dict]] = {k: [] for k, _, _ in kinds}
         for r in range(rounds):
-            for clients in ((1, 4) if r % 2 == 0 else (4, 1)):
-                out = http_run(broker, admin, clients, http_n)
-                http_runs[clients].append(out)
-                log(f"  round {r + 1} {clients} client{'s' if clients > 1 else ' '}: {out['per_s']:6.0f} cancels/s  "
+            for label, clients, target in (kinds if r % 2 == 0 else kinds[::-1]):
+                for b in all_brokers:
+                    b.proc.send_signal(signal.SIGCONT if b is target else signal.SIGSTOP)
+                try:
+                    out = http_run(target, admin, clients, http_n)
+                finally:
+                    for b in all_brokers:
+                        b.proc.send_signal(signal.SIGCONT if b is broker else signal.SIGSTOP)
+                http_runs[label].append(out)
+                log(f"  round {r + 1} {label} client{'s' if clients > 1 else ' '}: {out['per_s']:6.0f} cancels/s  "
                     f"p50 {out['p50_ms']:.2f} ms  p99 {out['p99_ms']:.2f} ms  {out['outcomes']}")
         hmed = {c: {k: statistics.median(x[k] for x in v) for k in ("per_s", "p50_ms", "p99_ms")}
                 for c, v in http_runs.items()}
         for c, v in hmed.items():
-            log(f"  median {c} client{'s' if c > 1 else ' '}: {v['per_s']:6.0f} cancels/s  p50 {v['p50_ms']:.2f} ms  "
-                f"p99 {v['p99_ms']:.2f} ms")
+            log(f"  median {c} client{'s' if c.startswith('4') else ' '}: {v['per_s']:6.0f} cancels/s  "
+                f"p50 {v['p50_ms']:.2f} ms  p99 {v['p99_ms']:.2f} ms")
         res.put("cancel_http", n=http_n, rounds=rounds,
                 median={f"{c}_clients": {k: round(x, 3) for k, x in v.items()} for c, v in hmed.items()},
                 runs={f"{c}_clients": [{k: (round(x, 3) if isinstance(x, float) else x) for k, x in o.items()}
