@@ -174,6 +174,17 @@ def bench_profile(url: str, broker, res, n: int) -> None:
     log(f"  full plans and statements: {OUT / 'profile.txt'}")
 
 
+def variant_brokers(url: str, specs: list[str]) -> dict:
+    """PARSER:LOOP -> a broker running bench/broker_variant.py with them (cancel's A/B windows)."""
+    out = {}
+    for spec in specs:
+        parser, _, loop = spec.partition(":")
+        out[spec] = start_broker(url, f"variant-{parser}-{loop or 'default'}",
+                                 argv=[str(Path(__file__).resolve().parent / "broker_variant.py")],
+                                 BENCH_HTTP=parser, BENCH_LOOP=loop)
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--only", default=",".join(SECTIONS), help=f"comma list of {','.join(SECTIONS)}")
@@ -214,7 +225,18 @@ def main() -> int:
     ap.add_argument("--cancel-n", type=int, default=10000, help="single cancels per SQL run")
     ap.add_argument("--cancel-rounds", type=int, default=7, help="alternating rounds (>= 5)")
     ap.add_argument("--cancel-http-n", type=int, default=3000, help="HTTP DELETEs per run")
-    ap.add_argument("--cancel-load-seconds", type=float, default=20)
+    ap.add_argument("--cancel-load-seconds", type=float, default=20, help="seconds per window under load")
+    ap.add_argument("--cancel-load-rounds", type=int, default=5,
+                    help="windows under load per client kind (http, sql), alternating")
+    ap.add_argument("--cancel-load-clients", default="http,sql",
+                    help="who cancels under load: http (DELETE via the broker), sql (queen.cancel_timer direct), "
+                         "fsync (no cancel: write + fdatasync in the data directory, timed)")
+    ap.add_argument("--cancel-load-generator", default="process", choices=("process", "thread"),
+                    help="where the load generator runs: its own process, or a thread of the timing client's")
+    ap.add_argument("--cancel-load-only", action="store_true", help="only the under-load windows of `cancel`")
+    ap.add_argument("--cancel-load-variant", action="append", default=[], metavar="PARSER:LOOP",
+                    help="also DELETE through a second broker with this HTTP parser (h11, httptools) and event "
+                         "loop (asyncio, uvloop), windows alternating (bench/broker_variant.py); repeatable")
     ap.add_argument("--fsync", default="on", choices=("on", "off"))
     args = ap.parse_args()
     if args.quick:
@@ -226,6 +248,7 @@ def main() -> int:
         args.failover_seconds = 10
         args.retention_n, args.retention_backlog = 5000, 100000
         args.cancel_n, args.cancel_http_n, args.cancel_load_seconds = 1000, 500, 5
+        args.cancel_load_rounds = 1
     only = {s.strip() for s in args.only.split(",") if s.strip()}
     bad = only - set(SECTIONS)
     if bad:
@@ -269,7 +292,10 @@ def main() -> int:
                 args.lag2_brokers, args.lag2_target_ms)
         section("profile", bench_profile, url, broker, res, args.fire_n)
         section("cancel", cancel.bench_cancel, url, broker, res, args.cancel_n, args.cancel_rounds,
-                args.cancel_http_n, args.cancel_load_seconds, args.lag_rate)
+                args.cancel_http_n, args.cancel_load_seconds, args.lag_rate, load_rounds=args.cancel_load_rounds,
+                load_clients=tuple(c.strip() for c in args.cancel_load_clients.split(",") if c.strip()),
+                generator=args.cancel_load_generator, load_only=args.cancel_load_only,
+                variants=variant_brokers(url, args.cancel_load_variant) if "cancel" in only else {})
         section("growth", perf.bench_growth, url, broker, res, [int(x) for x in args.growth_sizes.split(",")],
                 args.growth_batch, args.lag_rate, args.growth_lag_seconds,
                 profile_cb=lambda conn, size: (OUT / f"explain-pending-{size}.txt").write_text(

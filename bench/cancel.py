@@ -1,6 +1,14 @@
 """Cancel section: queen.cancel_timer against a bare DELETE by key, the HTTP
 DELETE route with 1 and 4 clients, and the HTTP DELETE under fire load.
 
+Under load (issue 12's "p99 <= 5 ms at 200 cancels/s while 1,000 timers/s
+fire"): rounds of windows, each printed, then the median of the per-window
+p99s. The load generator runs in a process of its own (not a thread of the
+timing client); beside the HTTP windows, the same cancels straight to
+PostgreSQL (`sql`, the floor the HTTP path stands on), the disk alone
+(`fsync`), and the DELETE through a broker with another HTTP parser or loop
+(`--cancel-load-variant`, bench/broker_variant.py) can run, rotating order.
+
 Fairness of the SQL comparison (issue 12):
 - one client connection for both sides (same settings), statements prepared
   on both sides (psycopg prepare=True), the same N keys re-seeded before
@@ -18,6 +26,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import multiprocessing
+import os
+import queue
 import signal
 import statistics
 import threading
@@ -235,18 +246,29 @@ def profile(url: str, admin, n: int) -> list[str]:
 # Under load: HTTP DELETE at a steady rate while timers fire continuously
 # -------------------------------------------------------------------------
 
-def _scheduler(url: str, stop: threading.Event, t0: float, seconds: float, fire_rate: int, cancel_rate: int,
-               tick: float, fire_delay_ms: int, cancel_delay_ms: int, stats: dict, run: str) -> None:
-    """Every tick: fire_rate*tick timers due fire_delay_ms later (they fire) and
-    cancel_rate*tick timers due cancel_delay_ms later (the cancel targets), one
-    queen.schedule_timers call."""
+def _scheduler(url: str, stop, ready, go, seconds: float, fire_rate: int, cancel_rate: int, tick: float,
+               fire_delay_ms: int, cancel_delay_ms: int, run: str) -> None:
+    """The load generator. Connects, puts "ready" on `ready`, takes t0 (monotonic:
+    one clock for every process of the machine) from `go`, then every tick:
+    fire_rate*tick timers due fire_delay_ms later (they fire) and cancel_rate*tick
+    timers due cancel_delay_ms later (the cancel targets), one
+    queen.schedule_timers call. Puts its stats on `ready` when done.
+
+    It runs in a process of its own by default (`--cancel-load-generator
+    process`): as a thread of the bench's process it shares the GIL with the
+    asyncio client that timestamps the DELETEs, and building each batch's 60
+    composites in Python delays that client's event loop (measured in
+    bench/RESULTS.md)."""
     per_fire = round(fire_rate * tick)
     per_cancel = round(cancel_rate * tick)
+    stats: dict = {"scheduled": 0, "late_ticks": 0, "batches": 0}
     with psycopg.connect(url, autocommit=True) as conn:
         info = CompositeInfo.fetch(conn, "queen.timer_op")
         register_composite(info, conn)
         T = info.python_type
         payload = b'{"kind":"cancel-load"}'
+        ready.put("ready")
+        t0 = ready_get(go)
         b = 0
         while not stop.is_set():
             when = t0 + b * tick
@@ -256,27 +278,33 @@ def _scheduler(url: str, stop: threading.Event, t0: float, seconds: float, fire_
             if when > now:
                 time.sleep(when - now)
             elif now - when > 1.0:
-                stats["late_ticks"] = stats.get("late_ticks", 0) + 1
+                stats["late_ticks"] += 1
             ops = [T("schedule", QUEUE + "-load", f"lf{run}-{b}-{i}", fire_delay_ms, f"lf{run}-{b}-{i}", payload,
                      None, False, False, None) for i in range(per_fire)]
             ops += [T("schedule", QUEUE + "-load", f"lc{run}-{b}-{i}", cancel_delay_ms, f"lc{run}-{b}-{i}", payload,
                       None, False, False, None) for i in range(per_cancel)]
             conn.execute("SELECT count(*) FROM queen.schedule_timers(%s, %s::queen.timer_op[], NULL, NULL, false)",
                          (TENANT, ops)).fetchone()
-            stats["scheduled"] = stats.get("scheduled", 0) + len(ops)
+            stats["scheduled"] += len(ops)
             b += 1
         stats["batches"] = b
+    ready.put(stats)
 
 
-async def _paced_cancels(broker: Broker, targets: list[tuple[float, str]]) -> list[tuple[int, float, str]]:
-    """Open loop: each DELETE is sent at its own time on an idle keep-alive
-    connection (a new one when none is idle), whatever the others are doing."""
+def ready_get(q, timeout: float = 60):
+    """The next item of a queue.Queue or a multiprocessing queue."""
+    return q.get(timeout=timeout)
+
+
+async def _paced(targets: list[tuple[float, str]], open_conn, send) -> list[tuple[int, float, str]]:
+    """Open loop: each cancel is sent at its own time on an idle connection (a new
+    one when none is idle), whatever the others are doing. `open_conn()` opens a
+    connection, `send(conn, key)` returns (status, verdict)."""
     out: list[tuple[int, float, str]] = []
-    idle: list[RawHttp] = []
-    opened: list[RawHttp] = []
+    idle: list = []
+    opened: list = []
     for _ in range(4):
-        c = await RawHttp("127.0.0.1", broker.port).open()
-        await c.request("GET", "/health")
+        c = await open_conn()
         opened.append(c)
         idle.append(c)
 
@@ -285,18 +313,17 @@ async def _paced_cancels(broker: Broker, targets: list[tuple[float, str]]) -> li
         if delay > 0:
             await asyncio.sleep(delay)
         t = time.perf_counter()
-        path = f"/api/v1/timers/{QUEUE}-load/{key}"
-        while idle and idle[-1].reader.at_eof():  # closed by the server while idle (keep-alive timeout)
+        while idle and getattr(idle[-1], "stale", lambda: False)():  # closed by the server while idle
             idle.pop()
         c = idle.pop() if idle else None
         reused = c is not None
         for attempt in (0, 1):
             try:
                 if c is None:
-                    c = await RawHttp("127.0.0.1", broker.port).open()
+                    c = await open_conn()
                     opened.append(c)
-                status, body = await c.request("DELETE", path)
-                out.append((status, time.perf_counter() - t, _verdict(status, body)))
+                status, verdict = await send(c, key)
+                out.append((status, time.perf_counter() - t, verdict))
                 idle.append(c)
                 return
             except (OSError, asyncio.IncompleteReadError, ValueError) as exc:
@@ -310,11 +337,78 @@ async def _paced_cancels(broker: Broker, targets: list[tuple[float, str]]) -> li
         await asyncio.gather(*(one(at, key) for at, key in targets))
     finally:
         for c in opened:
-            c.close()
+            res = c.close()
+            if asyncio.iscoroutine(res):
+                await res
     return out
 
 
-def under_load(url: str, broker: Broker, admin, seconds: float, fire_rate: int, cancel_rate: int) -> dict:
+class _IdleHttp(RawHttp):
+    def stale(self) -> bool:  # the server closed it while idle (keep-alive timeout)
+        return self.reader.at_eof()
+
+
+async def _paced_cancels(broker: Broker, targets: list[tuple[float, str]]) -> list[tuple[int, float, str]]:
+    """HTTP DELETE /api/v1/timers/:queue/:key, paced (see _paced)."""
+    async def open_conn():
+        c = await _IdleHttp("127.0.0.1", broker.port).open()
+        await c.request("GET", "/health")
+        return c
+
+    async def send(c, key):
+        status, body = await c.request("DELETE", f"/api/v1/timers/{QUEUE}-load/{key}")
+        return status, _verdict(status, body)
+
+    return await _paced(targets, open_conn, send)
+
+
+async def _paced_sql_cancels(url: str, targets: list[tuple[float, str]]) -> list[tuple[int, float, str]]:
+    """The baseline: the same paced cancels as `SELECT queen.cancel_timer(...)` straight
+    to PostgreSQL (asyncio psycopg, autocommit, prepared), timed by the same client.
+    Status 200 stands for "the statement answered"."""
+    async def open_conn():
+        c = await psycopg.AsyncConnection.connect(url, autocommit=True)
+        await c.execute("SELECT 1")
+        return c
+
+    async def send(c, key):
+        cur = await c.execute(CANCEL_SQL, (TENANT, QUEUE + "-load", key), prepare=True)
+        return 200, (await cur.fetchone())[0]
+
+    return await _paced(targets, open_conn, send)
+
+
+def _paced_fsyncs(path: str, targets: list[tuple[float, str]]) -> list[tuple[int, float, str]]:
+    """The storage alone: at each target's time, write 8 KiB (a WAL page) to a file in
+    the cluster's data directory and fdatasync it (what a commit's WAL flush costs
+    the disk, with the same load on it), timed. Status 200 stands for "done"."""
+    out: list[tuple[int, float, str]] = []
+    page = b"\0" * 8192
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        for i, (at, _key) in enumerate(targets):
+            delay = at - time.monotonic()
+            if delay > 0:
+                time.sleep(delay)
+            t = time.perf_counter()
+            os.pwrite(fd, page, (i % 2048) * 8192)  # a 16 MiB file, like a WAL segment
+            os.fdatasync(fd)
+            out.append((200, time.perf_counter() - t, "fdatasync"))
+    finally:
+        os.close(fd)
+        os.unlink(path)
+    return out
+
+
+def under_load(url: str, broker: Broker, admin, seconds: float, fire_rate: int, cancel_rate: int,
+               client: str = "http", generator: str = "process") -> dict:
+    """One window: the load (fire_rate timers/s scheduled 1 s ahead, so they fire
+    continuously, and cancel_rate/s cancel targets) while cancel_rate cancels/s are
+    paced by `client` ("http": DELETE through the broker; "sql": queen.cancel_timer
+    on direct connections; "fsync": no cancel, a timed 8 KiB write + fdatasync in the
+    data directory at the same times, the disk's share of a commit; the targets then
+    fire, as nothing cancels them). `generator` ("process" or "thread") is where the load
+    generator runs."""
     tick = 0.05
     fire_delay_ms, cancel_delay_ms, cancel_after = 1000, 2500, 1.25
     q = QUEUE + "-load"
@@ -322,24 +416,46 @@ def under_load(url: str, broker: Broker, admin, seconds: float, fire_rate: int, 
     admin.execute("DELETE FROM queen.timers WHERE queue = %s", (q,))
     admin.execute("SELECT queen.ensure_partition(%s, 'Default')", (q,))
     per_cancel = round(cancel_rate * tick)
-    t0 = time.monotonic() + 0.5
     n_ticks = int(seconds / tick)
+    run = f"{int(time.time() * 1000)}"  # keys and txns of this run only (a txn fires once per partition)
+    args = (seconds, fire_rate, cancel_rate, tick, fire_delay_ms, cancel_delay_ms, run)
+    if generator == "process":
+        ctx = multiprocessing.get_context("spawn")
+        stop, ready, go = ctx.Event(), ctx.Queue(), ctx.Queue()
+        worker = ctx.Process(target=_scheduler, args=(url, stop, ready, go, *args), daemon=True)
+    else:
+        stop, ready, go = threading.Event(), queue.Queue(), queue.Queue()
+        worker = threading.Thread(target=_scheduler, args=(url, stop, ready, go, *args), daemon=True)
+    worker.start()
+    if ready_get(ready) != "ready":
+        raise RuntimeError("the load generator did not start")
+    t0 = time.monotonic() + 0.5
+    go.put(t0)
     # each cancel target is cancelled cancel_after s after its batch, evenly spread within the tick
-    run = str(int(time.time()))  # keys and txns of this run only (a txn fires once per partition)
     targets = [(t0 + b * tick + cancel_after + i * tick / per_cancel, f"lc{run}-{b}-{i}")
                for b in range(n_ticks) for i in range(per_cancel)]
-    stop = threading.Event()
-    stats: dict = {}
-    th = threading.Thread(target=_scheduler, args=(url, stop, t0, seconds, fire_rate, cancel_rate, tick,
-                                                   fire_delay_ms, cancel_delay_ms, stats, run), daemon=True)
-    th.start()
     t_db0 = admin.execute("SELECT clock_timestamp()").fetchone()[0]
     admin.execute("SELECT pg_stat_statements_reset()")
+    admin.execute("SELECT pg_stat_reset_shared('wal')")
     try:
-        rows = asyncio.run(_paced_cancels(broker, targets))
+        if client == "http":
+            rows = asyncio.run(_paced_cancels(broker, targets))
+        elif client == "sql":
+            rows = asyncio.run(_paced_sql_cancels(url, targets))
+        elif client == "fsync":
+            data_dir = admin.execute("SHOW data_directory").fetchone()[0]
+            rows = _paced_fsyncs(os.path.join(data_dir, "bench-fsync-probe"), targets)
+        else:
+            raise ValueError(f"unknown client {client!r}")
     finally:
         stop.set()
-        th.join(60)
+        try:
+            stats = ready_get(ready)
+        except Exception:  # queue.Empty: the generator died; its figures are missing
+            stats = {}
+        worker.join(60)
+    wal = admin.execute("""SELECT wal_sync, wal_sync_time, wal_write, wal_records
+                             FROM pg_stat_wal""").fetchone()
     # let the last fire timers go out, then count what fired during the window
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline and admin.execute(
@@ -363,17 +479,82 @@ def under_load(url: str, broker: Broker, admin, seconds: float, fire_rate: int, 
                regexp_replace(left(query, 80), '\\s+', ' ', 'g')
           FROM pg_stat_statements
          WHERE dbid = (SELECT oid FROM pg_database WHERE datname = current_database())
-           AND (query ILIKE '%%cancel_timer%%' OR query ILIKE 'UPDATE queen.tenant_usage%%'
-                OR query ILIKE 'INSERT INTO queen.tenant_usage%%' OR query ILIKE '%%fold_pending_deltas%%'
-                OR query ILIKE 'DELETE FROM queen.timers%%' OR query ILIKE '%%schedule_timers(%%'
-                OR query ILIKE '%%bump_tenant_usage%%' OR query ILIKE '%%fire_due_timers%%')
+           AND toplevel
+           AND (query ILIKE '%%cancel_timer%%' OR query ILIKE '%%fold_pending_deltas%%'
+                OR query ILIKE '%%schedule_timers(%%' OR query ILIKE '%%fire_due_timers%%')
          ORDER BY total_exec_time DESC LIMIT 8""").fetchall()
     admin.execute("DELETE FROM queen.timers WHERE queue = %s", (q,))
-    return {"server_sql": [[r[0], float(r[1]), float(r[2]), r[3]] for r in sql], "seconds": seconds, "cancels": len(rows), "cancel_rate": cancel_rate, "fire_rate": fire_rate,
+    return {"client": client, "generator": generator,
+            "server_sql": [[r[0], float(r[1]), float(r[2]), r[3]] for r in sql], "seconds": seconds,
+            "cancels": len(rows), "cancel_rate": cancel_rate, "fire_rate": fire_rate,
             "scheduled": stats.get("scheduled", 0), "late_ticks": stats.get("late_ticks", 0),
             "fired": fired, "fired_per_s": fired / span if span else None,
+            "wal_syncs": wal[0], "wal_sync_ms_mean": (wal[1] / wal[0]) if wal[0] else None,
             "p50_ms": pct(lat, 50) * 1000 if lat else None, "p99_ms": pct(lat, 99) * 1000 if lat else None,
             "max_ms": max(lat) * 1000 if lat else None, "outcomes": outcomes, "targets_fired": targets_fired}
+
+
+def bench_under_load(url: str, broker: Broker, res, admin, rounds: int, seconds: float, fire_rate: int,
+                     cancel_rate: int, clients: list[str], generator: str,
+                     variants: dict[str, Broker] | None = None) -> None:
+    """`rounds` windows per client kind, alternating their order each round; each
+    window printed, then the median of the per-window p99s. `variants` (name ->
+    another broker on the same database) adds an "http:NAME" client kind: DELETE
+    through that broker, with every other broker stopped (SIGSTOP) meanwhile, so
+    that only the measured broker's sweeper fires."""
+    admin.execute("ALTER SYSTEM SET track_wal_io_timing = on")  # pg_stat_wal.wal_sync_time: the commits' fsync
+    admin.execute("SELECT pg_reload_conf()")
+    variants = variants or {}
+    brokers = {"http": broker, **{f"http:{k}": b for k, b in variants.items()}}
+    kinds = [*clients, *(f"http:{k}" for k in variants)]
+    log(f"\n== cancel under load: {cancel_rate} cancels/s while {fire_rate} timers/s are scheduled and fire, "
+        f"{seconds:g} s windows, {rounds} rounds of {' + '.join(kinds)} (order rotating), load generator in a "
+        f"{generator} ==")
+    runs: dict[str, list[dict]] = {c: [] for c in kinds}
+    for b in variants.values():
+        b.proc.send_signal(signal.SIGSTOP)
+    for r in range(rounds):
+        for c in kinds[r % len(kinds):] + kinds[:r % len(kinds)]:
+            active = brokers.get(c, broker)
+            if active is not broker:
+                broker.proc.send_signal(signal.SIGSTOP)
+                active.proc.send_signal(signal.SIGCONT)
+            try:
+                out = under_load(url, active, admin, seconds, fire_rate, cancel_rate,
+                                 client="http" if c.startswith("http") else c, generator=generator)
+            finally:
+                if active is not broker:
+                    active.proc.send_signal(signal.SIGSTOP)
+                    broker.proc.send_signal(signal.SIGCONT)
+            runs[c].append(out)
+            cancel_row = next((x for x in out["server_sql"] if "cancel_timer" in x[3]), None)
+            load = os.getloadavg()[0]
+            log(f"  round {r + 1} {c:4s}: n {out['cancels']}  p50 {out['p50_ms'] or 0:.2f} ms  "
+                f"p99 {out['p99_ms'] or 0:.2f} ms  max {out['max_ms'] or 0:.2f} ms  {out['outcomes']}; "
+                f"server cancel_timer {cancel_row[1] if cancel_row else 0:.3f} ms mean, "
+                f"{cancel_row[2] if cancel_row else 0:.2f} max; WAL fsync {out['wal_syncs']} x "
+                f"{out['wal_sync_ms_mean'] or 0:.3f} ms; fired {out['fired']} ({out['fired_per_s'] or 0:.0f}/s), "
+                f"late ticks {out['late_ticks']}, targets fired {out['targets_fired']}; load {load:.2f}")
+    for b in variants.values():
+        b.proc.send_signal(signal.SIGCONT)
+    med = {}
+    for c, v in runs.items():
+        p99s = [x["p99_ms"] or 0 for x in v]
+        med[c] = {"p50_ms": statistics.median(x["p50_ms"] or 0 for x in v), "p99_ms": statistics.median(p99s),
+                  "max_ms": statistics.median(x["max_ms"] or 0 for x in v),
+                  "wal_sync_ms": statistics.median(x["wal_sync_ms_mean"] or 0 for x in v)}
+        target = {"sql": "  (baseline: no HTTP)", "fsync": "  (the disk alone)"}.get(c, "  (target p99 <= 5 ms)")
+        log(f"  median {c:4s}: p50 {med[c]['p50_ms']:.2f} ms  p99 {med[c]['p99_ms']:.2f} ms (per run "
+            f"{', '.join(f'{x:.2f}' for x in p99s)})  max {med[c]['max_ms']:.2f} ms  WAL fsync "
+            f"{med[c]['wal_sync_ms']:.3f} ms mean{target}")
+    last = runs[clients[0]][-1]
+    log("  server side during the last window (calls, mean ms, max ms, statement):")
+    for x in last["server_sql"]:
+        log(f"    {x[0]:>6} {x[1]:>8.3f} {x[2]:>8.2f}  {x[3]}")
+    res.put("cancel_load", rounds=rounds, seconds=seconds, generator=generator,
+            median={c: {k: round(x, 3) for k, x in v.items()} for c, v in med.items()},
+            runs={c: [{k: (round(x, 3) if isinstance(x, float) else x) for k, x in o.items()} for o in v]
+                  for c, v in runs.items()})
 
 
 # -------------------------------------------------------------------------
@@ -381,13 +562,32 @@ def under_load(url: str, broker: Broker, admin, seconds: float, fire_rate: int, 
 # -------------------------------------------------------------------------
 
 def bench_cancel(url: str, broker: Broker, res, n: int, rounds: int, http_n: int, load_seconds: float,
-                 fire_rate: int = 1000, cancel_rate: int = 200) -> None:
+                 fire_rate: int = 1000, cancel_rate: int = 200, load_rounds: int = 5,
+                 load_clients: tuple[str, ...] = ("http", "sql"), generator: str = "process",
+                 load_only: bool = False, variants: dict[str, Broker] | None = None) -> None:
+    try:
+        _bench_cancel(url, broker, res, n, rounds, http_n, load_seconds, fire_rate, cancel_rate, load_rounds,
+                      load_clients, generator, load_only, variants or {})
+    finally:
+        for b in (variants or {}).values():
+            b.proc.send_signal(signal.SIGCONT)
+            b.stop()
+
+
+def _bench_cancel(url, broker, res, n, rounds, http_n, load_seconds, fire_rate, cancel_rate, load_rounds,
+                  load_clients, generator, load_only, variants) -> None:
+    if load_only:
+        with connect(url) as admin:
+            bench_under_load(url, broker, res, admin, load_rounds, load_seconds, fire_rate, cancel_rate,
+                             list(load_clients), generator, variants)
+        return
     log(f"\n== cancel: {n} single cancels by key from one client, queen.cancel_timer vs a bare DELETE, "
         f"{rounds} alternating rounds ==")
     sql_runs: dict[str, list[dict]] = {"cancel_timer": [], "bare_delete": []}
     with connect(url) as admin, psycopg.connect(url, autocommit=True) as client:
         client.execute("SET pg_stat_statements.track = 'top'")
-        broker.proc.send_signal(signal.SIGSTOP)
+        for b in (broker, *variants.values()):  # no broker's sweeper takes part in the SQL rounds
+            b.proc.send_signal(signal.SIGSTOP)
         try:
             for r in range(rounds):
                 order = ("cancel_timer", "bare_delete") if r % 2 == 0 else ("bare_delete", "cancel_timer")
@@ -424,18 +624,29 @@ def bench_cancel(url: str, broker: Broker, res, n: int, rounds: int, http_n: int
 
         log(f"\n== cancel over HTTP: DELETE /api/v1/timers/:queue/:key, {http_n} per run, 1 and 4 clients, "
             f"{rounds} alternating rounds ==")
-        http_runs: dict[int, list[dict]] = {1: [], 4: []}
+        # 1 and 4 clients on the broker; with --cancel-load-variant, 1 client on each variant
+        # broker too (the others stopped meanwhile)
+        kinds: list[tuple[str, int, Broker]] = [("1", 1, broker), ("4", 4, broker)]
+        kinds += [(f"1 {name}", 1, b) for name, b in variants.items()]
+        all_brokers = [broker, *variants.values()]
+        http_runs: dict[str, list[dict]] = {k: [] for k, _, _ in kinds}
         for r in range(rounds):
-            for clients in ((1, 4) if r % 2 == 0 else (4, 1)):
-                out = http_run(broker, admin, clients, http_n)
-                http_runs[clients].append(out)
-                log(f"  round {r + 1} {clients} client{'s' if clients > 1 else ' '}: {out['per_s']:6.0f} cancels/s  "
+            for label, clients, target in (kinds if r % 2 == 0 else kinds[::-1]):
+                for b in all_brokers:
+                    b.proc.send_signal(signal.SIGCONT if b is target else signal.SIGSTOP)
+                try:
+                    out = http_run(target, admin, clients, http_n)
+                finally:
+                    for b in all_brokers:
+                        b.proc.send_signal(signal.SIGCONT if b is broker else signal.SIGSTOP)
+                http_runs[label].append(out)
+                log(f"  round {r + 1} {label} client{'s' if clients > 1 else ' '}: {out['per_s']:6.0f} cancels/s  "
                     f"p50 {out['p50_ms']:.2f} ms  p99 {out['p99_ms']:.2f} ms  {out['outcomes']}")
         hmed = {c: {k: statistics.median(x[k] for x in v) for k in ("per_s", "p50_ms", "p99_ms")}
                 for c, v in http_runs.items()}
         for c, v in hmed.items():
-            log(f"  median {c} client{'s' if c > 1 else ' '}: {v['per_s']:6.0f} cancels/s  p50 {v['p50_ms']:.2f} ms  "
-                f"p99 {v['p99_ms']:.2f} ms")
+            log(f"  median {c} client{'s' if c.startswith('4') else ' '}: {v['per_s']:6.0f} cancels/s  "
+                f"p50 {v['p50_ms']:.2f} ms  p99 {v['p99_ms']:.2f} ms")
         res.put("cancel_http", n=http_n, rounds=rounds,
                 median={f"{c}_clients": {k: round(x, 3) for k, x in v.items()} for c, v in hmed.items()},
                 runs={f"{c}_clients": [{k: (round(x, 3) if isinstance(x, float) else x) for k, x in o.items()}
@@ -449,14 +660,5 @@ def bench_cancel(url: str, broker: Broker, res, n: int, rounds: int, http_n: int
         log(f"  plans: {OUT / 'cancel-profile.txt'}")
         admin.execute("DELETE FROM queen.timers WHERE queue = %s", (QUEUE,))
 
-        log(f"\n== cancel under load: HTTP DELETE at {cancel_rate}/s while {fire_rate} timers/s are scheduled "
-            f"and fire, {load_seconds:g} s ==")
-        out = under_load(url, broker, admin, load_seconds, fire_rate, cancel_rate)
-        log(f"  scheduled {out['scheduled']} (late ticks {out['late_ticks']}); fired {out['fired']} "
-            f"({out['fired_per_s'] or 0:.0f}/s); cancel targets fired {out['targets_fired']}")
-        log(f"  DELETE latency: n {out['cancels']}  p50 {out['p50_ms'] or 0:.2f} ms  p99 {out['p99_ms'] or 0:.2f} ms  "
-            f"max {out['max_ms'] or 0:.2f} ms  {out['outcomes']}  (target p99 <= 5 ms)")
-        log("  server side during the window (calls, mean ms, max ms, statement):")
-        for r in out["server_sql"]:
-            log(f"    {r[0]:>6} {r[1]:>8.3f} {r[2]:>8.2f}  {r[3]}")
-        res.put("cancel_load", **{k: (round(v, 3) if isinstance(v, float) else v) for k, v in out.items()})
+        bench_under_load(url, broker, res, admin, load_rounds, load_seconds, fire_rate, cancel_rate,
+                         list(load_clients), generator, variants)

@@ -167,8 +167,9 @@ def metric_sum(text: str | None, name: str, **labels: str) -> float | None:
 _broker_seq = 0
 
 
-def start_broker(database_url: str, name: str = "b", wait: bool = True, **env) -> Broker:
-    """A real `python -m queen_timers` process on a free loopback port."""
+def start_broker(database_url: str, name: str = "b", wait: bool = True, argv: list[str] | None = None,
+                 **env) -> Broker:
+    """A real `python -m queen_timers` process (or `python *argv`) on a free loopback port."""
     global _broker_seq
     _broker_seq += 1
     port = free_port()
@@ -186,7 +187,7 @@ def start_broker(database_url: str, name: str = "b", wait: bool = True, **env) -
     }
     log_path = OUT / "logs" / f"{broker_id}.log"
     with open(log_path, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "queen_timers"], env=full_env,
+        proc = subprocess.Popen([sys.executable, *(argv or ["-m", "queen_timers"])], env=full_env,
                                 stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
     b = Broker(url=f"http://127.0.0.1:{port}", port=port, proc=proc, log_path=log_path,
                broker_id=broker_id, env=env)

@@ -208,7 +208,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from .app import create_app
     from .db import conninfo
     from .migrate import migrate
-    from .server import JsonErrorH11Protocol
+    from .server import JsonErrorHttpToolsProtocol
 
     env = dict(os.environ)
     if args.database_url:
@@ -236,8 +236,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise mapped from None
     if applied:
         logging.getLogger("queen_timers").info("applied migrations %s", applied)
+    # httptools (llhttp, C) and uvloop: the request path's parsing and event loop in C
+    # (bench/RESULTS.md, "Cancel (issue 12)"); server.py keeps the JSON 400 and the 16 KiB head limit
     uvicorn.run(create_app(settings), host=settings.host, port=settings.port,
-                log_level="warning", access_log=False, http=JsonErrorH11Protocol)
+                log_level="warning", access_log=False, http=JsonErrorHttpToolsProtocol, loop="uvloop")
     return EXIT_OK
 
 

@@ -421,6 +421,43 @@ def test_a_huge_key_in_the_path_is_a_json_400(client, db, method):
     assert_still_healthy(client, db)
 
 
+
+def _raw_request(port: int, data: bytes) -> tuple[int, dict, bytes]:
+    with socket.create_connection(("127.0.0.1", port), timeout=20) as sock:
+        try:
+            sock.sendall(data)
+        except OSError:
+            pass  # the server may answer and close before it has read it all
+        return read_response(sock)
+
+
+@pytest.mark.parametrize("size, status", [(15 * 1024, 200), (17 * 1024, 400), (3_000_000, 400)])
+def test_a_request_head_over_16_kib_is_a_json_400_whatever_makes_it_big(client, db, size, status):
+    """The HTTP parser (httptools: llhttp has no limit of its own) refuses a request
+    line plus headers over 16 KiB, h11's default and the documented limit, before the
+    app sees it: a big header on a route that would answer 200 shows it is the parser's."""
+    head = f"GET /health HTTP/1.1\r\nHost: x\r\nX-Pad: {'p' * size}\r\n\r\n".encode()
+    got, headers, body = _raw_request(client.base_url.port, head)
+    assert got == status, body[:200]
+    if status == 400:
+        assert headers["content-type"].startswith("application/json"), headers
+        assert headers.get("connection") == "close", headers
+        assert json.loads(body)["error"] == "timers_bad_request"
+    assert_still_healthy(client, db)
+
+
+@pytest.mark.parametrize("raw", [b"NOT HTTP AT ALL\r\n\r\n", b"GET /health HTTP/9.9\r\nHost: x\r\n\r\n",
+                                 b"GET /health HTTP/1.1\r\nBad Header Name: x\r\n\r\n",
+                                 b"GET /api/v1/timers/q/k\xff HTTP/1.1\r\nHost: x\r\n\r\n"])
+def test_a_malformed_request_is_a_json_400(client, db, raw):
+    status, headers, body = _raw_request(client.base_url.port, raw)
+    assert status == 400, body
+    assert headers["content-type"].startswith("application/json"), headers
+    answer = json.loads(body)
+    assert answer["error"] == "timers_bad_request" and answer["detail"], answer
+    assert_still_healthy(client, db)
+
+
 # the log routes check the same numbers before any SQL
 
 LOG_OVER = [
