@@ -414,7 +414,7 @@ def under_load(url: str, broker: Broker, admin, seconds: float, fire_rate: int, 
     q = QUEUE + "-load"
     admin.execute("SELECT queen.resume_fire()")  # whatever an earlier section left
     admin.execute("DELETE FROM queen.timers WHERE queue = %s", (q,))
-    admin.execute("SELECT queen.ensure_partition(%s, 'Default')", (q,))
+    admin.execute("SELECT queen.ensure_partition(%s, %s, 'Default')", (TENANT, q))
     per_cancel = round(cancel_rate * tick)
     n_ticks = int(seconds / tick)
     run = f"{int(time.time() * 1000)}"  # keys and txns of this run only (a txn fires once per partition)
