@@ -2,7 +2,9 @@
 
 Each cycle:
   1. fast path: queen.fire_due_timers(batch) on the sweeper's own connection
-     (claim-and-fire in one transaction; the row lock is the claim);
+     (claim-and-fire in one transaction; the row lock is the claim), without
+     its subtransaction: a duplicate txn fails the call, which is made again
+     with the redo path;
   2. leased path: queen.claim_timers (at most QUEEN_SWEEPER_BATCH rows and
      QUEEN_SWEEPER_BATCH_BYTES stored bytes) -> inflate zstd payloads (bounded) ->
      queen.fire_timers(claim_id, frames), called again whenever the inflated
@@ -44,7 +46,11 @@ log = logging.getLogger("queen_timers.sweeper")
 # row (building a Python row per timer was ~40% of the broker's time, and one
 # histogram observe() per timer ~15% after that).
 SUMMARY = lag_summary_sql("{fire}")
-FIRE_DUE = SUMMARY.replace("{fire}", "SELECT * FROM queen.fire_due_timers(%s)")
+# No subtransaction on the common path: a txn already in its partition fails
+# the call (autocommit: it rolls back whole) and the batch is fired again
+# through the redo path, which answers 'duplicate' (FIRE_DUE_REDO).
+FIRE_DUE = SUMMARY.replace("{fire}", "SELECT * FROM queen.fire_due_timers(%s, p_redo_duplicates => false)")
+FIRE_DUE_REDO = SUMMARY.replace("{fire}", "SELECT * FROM queen.fire_due_timers(%s)")
 CLAIM = "SELECT * FROM queen.claim_timers(%s, %s, %s, p_zstd_only => %s, p_max_bytes => %s)"
 # the frames travel as four parallel arrays (no composite type to register on the connection)
 FIRE = SUMMARY.replace("{fire}", """
@@ -212,7 +218,11 @@ class Sweeper:
         isolate = False
         fast = 0
         try:
-            fast = self.metrics.observe_fires((await self._fetch(FIRE_DUE, (batch,)))[0])
+            try:
+                summary = (await self._fetch(FIRE_DUE, (batch,)))[0]
+            except psycopg.errors.UniqueViolation:
+                summary = (await self._fetch(FIRE_DUE_REDO, (batch,)))[0]
+            fast = self.metrics.observe_fires(summary)
         except Exception as exc:
             if _lost_primary(self._conn, exc):
                 raise

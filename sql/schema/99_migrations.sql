@@ -12,4 +12,5 @@ INSERT INTO queen.schema_migrations (version, name) VALUES
     (7, 'pending_deltas'),
     (8, 'log_order'),
     (9, 'fire_path'),
-    (10, 'schedule_path');
+    (10, 'schedule_path'),
+    (11, 'fire_no_subxact');

@@ -164,6 +164,32 @@ def test_operator_routes_need_admin(sdb, sweeper_broker):
         assert c.get("/metrics/prometheus").status_code == 200
 
 
+def test_a_duplicate_txn_in_a_batch_is_redone_and_nothing_else_changes(sdb, sweeper_broker):
+    """The sweeper fires without fire_due_timers' subtransaction; a txn already in
+    the partition fails that call (rolled back whole) and the batch is fired again
+    through the redo path: the duplicate answers 'duplicate', every other timer of
+    the batch fires once, and no fire failure is counted."""
+    b = sweeper_broker()
+    schedule(sdb, [timer("dq", "first", 0, b"0")])
+    wait_until(lambda: timer_count(sdb) == 0, 10, message="first fire")
+    sdb.execute("SELECT queen.pause_fire()")
+    batch = [timer("dq", f"k{i:03d}", 0, str(i).encode()) for i in range(60)]
+    batch.insert(30, timer("dq", "again", 0, b"again", txn="txn-dq-first"))
+    schedule(sdb, batch)
+    sdb.execute("SELECT queen.resume_fire()")
+    wait_until(lambda: timer_count(sdb) == 0, 15, message="the batch with a duplicate fired")
+
+    txns = [m["txn"] for m in messages(sdb)]
+    assert sorted(txns) == sorted(["txn-dq-first"] + [f"txn-dq-k{i:03d}" for i in range(60)])
+    r, s = scrape(b)
+    assert sample(s, "queen_timers_fired_total", outcome="fired") == 61
+    assert sample(s, "queen_timers_fired_total", outcome="duplicate") == 1
+    for cls in ("transient", "permanent", "config"):
+        assert sample(s, "queen_timers_fire_failures_total", **{"class": cls}) == 0
+    assert sdb.execute("SELECT queen.get_pending_timers('default') AS n").fetchone()["n"] == 0
+    assert "isolating row by row" not in b.log()  # redone as a batch, not row by row
+
+
 def test_prometheus_exposes_the_families(sdb, sweeper_broker):
     b = sweeper_broker()
     schedule(sdb, [timer("mq", "one", 0, b"1")])

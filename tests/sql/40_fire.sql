@@ -2,7 +2,7 @@
 -- pause, lost claims, payload override (zstd), duplicates, what
 -- fire_due_timers leaves to the leased path.
 BEGIN;
-SELECT plan(52);
+SELECT plan(59);
 
 CREATE FUNCTION pg_temp.t0() RETURNS timestamptz LANGUAGE sql AS $$ SELECT '2030-01-01 00:00:00+00'::timestamptz $$;
 CREATE FUNCTION pg_temp.at(p_seconds numeric) RETURNS timestamptz LANGUAGE sql AS $$ SELECT pg_temp.t0() + p_seconds * interval '1 second' $$;
@@ -88,6 +88,11 @@ SELECT is((SELECT payload FROM queen.messages WHERE transaction_id = 'txn-zipped
 -- ---------------------------------------------------------------- duplicate txn in the partition
 SELECT lives_ok($$SELECT * FROM pg_temp.sched(ARRAY[pg_temp.op('dup', 0, 'txn-first', p_queue => 'fq')])$$, 'setup: a timer reusing a txn already delivered');
 CREATE TEMP TABLE p5 AS SELECT pg_temp.pending() AS n;
+SELECT throws_ok($$SELECT * FROM queen.fire_due_timers(100, pg_temp.at(30), p_redo_duplicates => false)$$, '23505', NULL,
+                 'without the redo (the sweeper''s call, no subtransaction) a duplicate txn raises unique_violation');
+SELECT is((SELECT count(*) FROM queen.timers WHERE timer_key IN ('dup', 'third')), 2::bigint, '... and the failed call deleted no timer');
+SELECT is((SELECT count(*) FROM queen.messages WHERE transaction_id IN ('txn-first', 'txn-third')), 1::bigint, '... appended no frame');
+SELECT is(pg_temp.pending(), (SELECT n FROM p5), '... and left the pending counter as it was');
 CREATE TEMP TABLE f5 AS SELECT * FROM queen.fire_due_timers(100, pg_temp.at(30));
 SELECT results_eq($$SELECT timer_key, outcome FROM f5 ORDER BY timer_key$$, $$VALUES ('dup', 'duplicate'), ('third', 'fired')$$,
                   'a txn already in the partition answers duplicate');
@@ -96,6 +101,10 @@ SELECT is((SELECT count(*) FROM queen.timers WHERE timer_key IN ('dup', 'third')
 SELECT is(pg_temp.pending(), (SELECT n - 2 FROM p5), 'the pending counter drops by both rows, the duplicate''s too');
 SELECT is((SELECT count(*) FROM queen.messages m JOIN f5 ON f5.message_id = m.id WHERE f5.outcome = 'duplicate'), 0::bigint,
           'the duplicate''s own message id never entered the log');
+SELECT lives_ok($$SELECT * FROM pg_temp.sched(ARRAY[pg_temp.op('nodup', 0)])$$, 'setup: a timer with a fresh txn');
+SELECT results_eq($$SELECT timer_key, outcome FROM queen.fire_due_timers(100, pg_temp.at(30), p_redo_duplicates => false)$$,
+                  $$VALUES ('nodup', 'fired')$$, 'without the redo, a batch with no duplicate fires as usual');
+SELECT is(pg_temp.pending(), (SELECT n - 2 FROM p5), 'the pending counter drops by the timer fired without the redo');
 
 -- ---------------------------------------------------------------- fire_due_timers leaves zstd and claimed rows alone
 SELECT lives_ok($$SELECT * FROM pg_temp.sched(ARRAY[pg_temp.op('plain', 0), pg_temp.op('z2', 0, p_zstd => true), pg_temp.op('held', -1000),
