@@ -57,3 +57,49 @@ def test_migrate_is_idempotent_and_refuses_unknown_versions(admin_dsn):
         assert "999" in str(exc)
     else:
         raise AssertionError("a database newer than the code must be refused")
+
+
+def test_upgrade_from_007_keeps_every_cursor_and_frame(admin_dsn, tmp_path):
+    """A database at the released migration 007, with frames, an auto-ack cursor
+    and a leased batch in flight, upgraded to the latest (008 moves the log to
+    (xid, seq) positions): each group goes on exactly where it was, no frame is
+    skipped or delivered twice, and frames appended after the upgrade follow."""
+    url = create_database(admin_dsn, "queen_upgrade_007", schema=False)
+    old = tmp_path / "to007"
+    old.mkdir()
+    for version, _name, path in available():
+        if version <= 7:
+            (old / path.name).write_bytes(path.read_bytes())
+    assert migrate(url, old) == [1, 2, 3, 4, 5, 6, 7]
+
+    push = """SELECT transaction_id FROM queen.push_messages('default',
+                  ARRAY(SELECT ROW('upq', NULL, t, NULL, convert_to(t, 'UTF8'), false)::queen.push_item
+                          FROM unnest(%s::text[]) t))"""
+    pop = """SELECT transaction_id, partition_id, lease_id
+               FROM queen.pop_messages('default', 'upq', NULL, %s, %s, %s)"""
+    with psycopg.connect(url, autocommit=True) as c:
+        assert len(c.execute(push, ([f"a{i}" for i in range(1, 7)],)).fetchall()) == 6
+        assert [r[0] for r in c.execute(pop, ("g", 2, True)).fetchall()] == ["a1", "a2"]
+        leased = c.execute(pop, ("h", 3, False)).fetchall()
+        assert [r[0] for r in leased] == ["a1", "a2", "a3"]
+
+    applied = migrate(url)
+    assert applied and applied[0] == 8 and versions(url)[-1][0] == available()[-1][0]
+
+    with psycopg.connect(url, autocommit=True) as c:
+        # the auto-ack group goes on after a2
+        assert [r[0] for r in c.execute(pop, ("g", 10, True)).fetchall()] == ["a3", "a4", "a5", "a6"]
+        # the leased batch of h is still in flight: nothing more until it is acked
+        assert c.execute(pop, ("h", 10, False)).fetchall() == []
+        acks = c.execute("""SELECT bool_and(success) FROM queen.ack_messages('default',
+                                ARRAY(SELECT ROW(t, p, 'completed', NULL, l::text, 'h')::queen.ack_item
+                                        FROM unnest(%s::text[], %s::uuid[], %s::uuid[]) AS x(t, p, l)))""",
+                         ([r[0] for r in leased], [r[1] for r in leased], [r[2] for r in leased])).fetchone()[0]
+        assert acks is True
+        assert [r[0] for r in c.execute(pop, ("h", 10, True)).fetchall()] == ["a4", "a5", "a6"]
+        # frames appended after the upgrade come after every old one, for every group
+        c.execute(push, (["b1"],))
+        assert [r[0] for r in c.execute(pop, ("g", 10, True)).fetchall()] == ["b1"]
+        assert [r[0] for r in c.execute(pop, ("h", 10, True)).fetchall()] == ["b1"]
+        assert [r[0] for r in c.execute(pop, ("fresh", 10, True)).fetchall()] == \
+            ["a1", "a2", "a3", "a4", "a5", "a6", "b1"]
