@@ -37,10 +37,28 @@ class HeadTooLarge(Exception):
 
 class JsonErrorHttpToolsProtocol(HttpToolsProtocol):
     _head_bytes = 0
+    _head_open = False  # a request has begun and its headers are not complete
+    _raw_head = 0       # bytes received while a head stayed open
 
     def on_message_begin(self) -> None:
         self._head_bytes = 0
+        self._head_open = True
+        self._raw_head = 0
         super().on_message_begin()
+
+    def on_headers_complete(self) -> None:
+        self._head_open = False
+        super().on_headers_complete()
+
+    def data_received(self, data: bytes) -> None:
+        # httptools buffers a header's name or value until it ends, so on_header
+        # alone would let a header that never ends grow without bound: count the
+        # bytes of every chunk after which the head is still open.
+        super().data_received(data)
+        if self._head_open and not self.transport.is_closing():
+            self._raw_head += len(data)
+            if self._raw_head > MAX_HEAD_BYTES:
+                self.send_400_response("request head too large")
 
     def on_url(self, url: bytes) -> None:  # called once per chunk of the request target
         self._head_bytes += len(url)

@@ -446,6 +446,27 @@ def test_a_request_head_over_16_kib_is_a_json_400_whatever_makes_it_big(client, 
     assert_still_healthy(client, db)
 
 
+def test_a_header_that_never_ends_is_refused_without_waiting_for_it(client, db):
+    """A header value streamed without end (no CRLF) is refused once the head passes
+    16 KiB, while the client is still sending: the parser buffers a header until it
+    ends, so the broker must not wait for the end to count it."""
+    with socket.create_connection(("127.0.0.1", client.base_url.port), timeout=20) as sock:
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nX-Pad: ")
+        sent = 0
+        try:
+            while sent < 64 * 1024 * 1024:  # far more than any limit: the broker must stop us first
+                sock.sendall(b"p" * 65536)
+                sent += 65536
+        except OSError:  # the broker answered and closed
+            pass
+        assert sent < 64 * 1024 * 1024, "the broker kept reading a never-ending header"
+        status, headers, body = read_response(sock)
+    assert status == 400, body[:200]
+    assert headers["content-type"].startswith("application/json"), headers
+    assert json.loads(body)["error"] == "timers_bad_request"
+    assert_still_healthy(client, db)
+
+
 @pytest.mark.parametrize("raw", [b"NOT HTTP AT ALL\r\n\r\n", b"GET /health HTTP/9.9\r\nHost: x\r\n\r\n",
                                  b"GET /health HTTP/1.1\r\nBad Header Name: x\r\n\r\n",
                                  b"GET /api/v1/timers/q/k\xff HTTP/1.1\r\nHost: x\r\n\r\n"])
