@@ -20,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from harness import OUT, Cluster, Results, connect, explain_nested_statements, load_timers, log, start_broker  # noqa: E402
+from harness import OUT, Cluster, Results, connect, explain_rolled_back, load_timers, log, start_broker  # noqa: E402
 import cancel  # noqa: E402
 import drills  # noqa: E402
 import failover  # noqa: E402
@@ -53,20 +53,10 @@ def machine() -> dict:
 def explain_fire(conn, label: str, batch: int = perf.BATCH) -> str:
     """EXPLAIN (ANALYZE, BUFFERS) of every statement inside queen.fire_due_timers(batch),
     through auto_explain's nested statements, in a transaction that is rolled back."""
-    notices: list[str] = []
-    conn.add_notice_handler(lambda d: notices.append(d.message_primary or ""))
-    conn.execute("BEGIN")
-    try:
-        explain_nested_statements(conn)
-        conn.execute("SELECT queen.pause_fire(false)")
-        notices.clear()
-        t0 = time.perf_counter()
-        n = conn.execute("SELECT count(*) FROM queen.fire_due_timers(%s)", (batch,)).fetchone()[0]
-        secs = time.perf_counter() - t0
-    finally:
-        conn.execute("ROLLBACK")
-    text = f"-- {label}: queen.fire_due_timers({batch}) fired {n} in {secs * 1000:.1f} ms\n" + "\n\n".join(notices)
-    return text
+    n, secs, notices = explain_rolled_back(
+        conn, lambda c: c.execute("SELECT count(*) FROM queen.fire_due_timers(%s)", (batch,)).fetchone()[0],
+        prepare=lambda c: c.execute("SELECT queen.pause_fire(false)"))
+    return f"-- {label}: queen.fire_due_timers({batch}) fired {n} in {secs * 1000:.1f} ms\n" + "\n\n".join(notices)
 
 
 def _durations(explain_text: str) -> list[tuple[float, str]]:

@@ -37,7 +37,7 @@ import time
 import psycopg
 from psycopg.types.composite import CompositeInfo, register_composite
 
-from harness import OUT, Broker, connect, explain_nested_statements, load_timers, log, pct
+from harness import OUT, Broker, connect, explain_rolled_back, load_timers, log, pct
 
 QUEUE = "bench-cancel"
 TENANT = "default"  # the broker's tenant when auth is off
@@ -195,19 +195,8 @@ def http_run(broker: Broker, admin, clients: int, n: int) -> dict:
 def explain_cancel(conn, key: str) -> str:
     """EXPLAIN (ANALYZE, BUFFERS) of every statement queen.cancel_timer runs for one key
     (auto_explain, nested statements), rolled back."""
-    notices: list[str] = []
-    handler = lambda d: notices.append(d.message_primary or "")  # noqa: E731
-    conn.add_notice_handler(handler)
-    try:
-        conn.execute("BEGIN")
-        try:
-            explain_nested_statements(conn)
-            notices.clear()
-            status = conn.execute(CANCEL_SQL, (TENANT, QUEUE, key)).fetchone()[0]
-        finally:
-            conn.execute("ROLLBACK")
-    finally:
-        conn.remove_notice_handler(handler)
+    status, _secs, notices = explain_rolled_back(
+        conn, lambda c: c.execute(CANCEL_SQL, (TENANT, QUEUE, key)).fetchone()[0])
     return f"-- queen.cancel_timer('{TENANT}', '{QUEUE}', '{key}') -> {status}\n" + "\n\n".join(notices)
 
 

@@ -332,3 +332,27 @@ def explain_nested_statements(conn) -> None:
     for k, v in (("log_min_duration", "0"), ("log_analyze", "on"), ("log_buffers", "on"),
                  ("log_nested_statements", "on"), ("log_timing", "on"), ("log_level", "notice")):
         conn.execute(f"SET LOCAL auto_explain.{k} = {v}")
+
+
+def explain_rolled_back(conn, run, prepare=None) -> tuple[object, float, list[str]]:
+    """In a transaction that is rolled back: auto_explain every statement run(conn)
+    executes, nested ones too (explain_nested_statements). prepare(conn), if given,
+    runs first and is not reported. Returns (run's result, its seconds, the plans)."""
+    notices: list[str] = []
+    handler = lambda d: notices.append(d.message_primary or "")  # noqa: E731
+    conn.add_notice_handler(handler)
+    try:
+        conn.execute("BEGIN")
+        try:
+            explain_nested_statements(conn)
+            if prepare is not None:
+                prepare(conn)
+            notices.clear()
+            t0 = time.perf_counter()
+            result = run(conn)
+            secs = time.perf_counter() - t0
+        finally:
+            conn.execute("ROLLBACK")
+    finally:
+        conn.remove_notice_handler(handler)
+    return result, secs, notices

@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import asyncio
-import random
 import signal
 import statistics
 import time
 
 import httpx
-import psycopg
 from psycopg.types.composite import CompositeInfo, register_composite
 
 from harness import (Broker, connect, start_broker, exists_pending, lag_stats, load_timers, log, ms, pct, reset,

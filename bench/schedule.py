@@ -40,7 +40,7 @@ import time
 import psycopg
 
 from cancel import RawHttp
-from harness import OUT, Broker, connect, explain_nested_statements, log
+from harness import OUT, Broker, connect, explain_rolled_back, log
 
 from queen_timers.routes_timers import SCHEDULE_SQL, _parse_ops, _schedule_params
 
@@ -202,21 +202,8 @@ def run_side(url: str, broker: Broker, admin, side: str, ops: list[list[dict]], 
 
 def explain_schedule(conn, ops: list[dict]) -> str:
     """auto_explain (ANALYZE, BUFFERS, nested statements) of one batch through SCHEDULE_SQL, rolled back."""
-    notices: list[str] = []
-    handler = lambda d: notices.append(d.message_primary or "")  # noqa: E731
-    conn.add_notice_handler(handler)
-    try:
-        conn.execute("BEGIN")
-        try:
-            explain_nested_statements(conn)
-            notices.clear()
-            t0 = time.perf_counter()
-            n = len(conn.execute(SCHEDULE_SQL, broker_params(ops)).fetchall())
-            secs = time.perf_counter() - t0
-        finally:
-            conn.execute("ROLLBACK")
-    finally:
-        conn.remove_notice_handler(handler)
+    n, secs, notices = explain_rolled_back(
+        conn, lambda c: len(c.execute(SCHEDULE_SQL, broker_params(ops)).fetchall()))
     return f"-- schedule_timers of {len(ops)} ops: {n} verdicts in {secs * 1000:.1f} ms\n" + "\n\n".join(notices)
 
 
