@@ -69,9 +69,6 @@ class BulkHistogram(Collector):
             self._count += count
             self._sum += total
 
-    def observe(self, value: float) -> None:
-        self.add([1 if value <= b else 0 for b in self.buckets], 1, value)
-
     def describe(self):
         return [HistogramMetricFamily(self.name, self.documentation)]
 
