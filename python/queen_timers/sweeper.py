@@ -259,9 +259,6 @@ class Sweeper:
             return 0, False
         full = len(rows) >= batch or sum(len(r["payload"]) for r in rows) >= max_bytes
         claim_id = rows[0]["claim_id"]
-        if isolate:
-            await self._fire_one_by_one(claim_id, rows)
-            return len(rows), full
         chunk: list[tuple[dict, tuple]] = []
         held = 0
         for i, row in enumerate(rows):
@@ -271,7 +268,11 @@ class Sweeper:
             except FrameError as exc:
                 await self._fail(row, exc.cls, str(exc))
                 continue
-            chunk.append(({k: row[k] for k in FAIL_KEYS}, frame))  # not the stored payload
+            item = ({k: row[k] for k in FAIL_KEYS}, frame)  # not the stored payload
+            if isolate:  # isolating a failed fast batch: every row on its own
+                await self._fire_frames_one_by_one(claim_id, [item])
+                continue
+            chunk.append(item)
             held += len(frame[3]) if frame[3] is not None else 0
             if held >= max_bytes:
                 await self._fire_chunk(claim_id, chunk)
@@ -291,15 +292,6 @@ class Sweeper:
             log.warning("sweeper %s: fire_timers batch of %d failed (%s); isolating row by row",
                         self.settings.broker_id, len(chunk), _error_text(exc))
         await self._fire_frames_one_by_one(claim_id, chunk)
-
-    async def _fire_one_by_one(self, claim_id, rows: list[dict]) -> None:
-        for row in rows:
-            try:
-                frame = self._frame(row)
-            except FrameError as exc:
-                await self._fail(row, exc.cls, str(exc))
-                continue
-            await self._fire_frames_one_by_one(claim_id, [(row, frame)])
 
     async def _fire_frames_one_by_one(self, claim_id, frames: list[tuple[dict, tuple]]) -> None:
         for row, frame in frames:
