@@ -105,6 +105,12 @@ def wait_until(pred, timeout: float, interval: float = 0.1, message: str = "cond
     assert pred(), f"timed out after {timeout} s waiting for {message}"
 
 
+def fresh_setting(url: str, name: str) -> str:
+    """The setting as a new session of the server sees it."""
+    with connect(url) as conn:
+        return conn.execute("SELECT current_setting(%s) AS v", (name,)).fetchone()["v"]
+
+
 def replayed(standby: psycopg.Connection, primary: psycopg.Connection) -> bool:
     lsn = primary.execute("SELECT pg_current_wal_lsn() AS l").fetchone()["l"]
     return standby.execute("SELECT pg_last_wal_replay_lsn() >= %s::pg_lsn AS ok", (lsn,)).fetchone()["ok"]
@@ -273,6 +279,11 @@ def test_fenced_primary_connections_are_discarded_not_reused(pair, tmp_path):
             prim.execute("ALTER SYSTEM SET default_transaction_read_only = on")
             prim.execute("SELECT pg_reload_conf()")
             prim.execute("SET default_transaction_read_only = off")  # this admin session only
+            # pg_reload_conf only signals the postmaster, which rereads the file and then
+            # signals every backend: once a new session sees the setting, the broker's
+            # backends have been signalled too (else the next POST could still write)
+            wait_until(lambda: fresh_setting(pair.primary, "default_transaction_read_only") == "on", 10, 0.05,
+                       "the primary to reload its configuration")
             try:
                 # the first request may meet the pooled connection (25006); each answers 503
                 for _ in range(3):
