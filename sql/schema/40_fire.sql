@@ -64,12 +64,28 @@ LANGUAGE sql AS $$
 $$;
 
 -- Pause or resume the fire in every broker of the cell. This is the only
--- switch that stops the fire; no automatic rung ever does.
+-- switch that stops the fire; no automatic rung ever does. A resume wakes
+-- every sleeping sweeper at its commit (NOTIFY queen_timers with the
+-- soonest deliver_at, as a schedule does): a paused sweeper sleeps
+-- QUEEN_SWEEPER_MAX_SLEEP_MS, and the backlog would otherwise start late
+-- and on each broker at a different moment.
 CREATE FUNCTION queen.pause_fire(p_paused boolean DEFAULT true)
 RETURNS boolean
-LANGUAGE sql AS $$
+LANGUAGE plpgsql AS $$
+DECLARE
+    v_paused boolean;
+    v_first  timestamptz;
+BEGIN
     UPDATE queen.cell_settings SET fire_paused = p_paused, updated_at = now() WHERE id
-    RETURNING fire_paused
+    RETURNING fire_paused INTO v_paused;
+    IF NOT v_paused THEN
+        SELECT min(t.deliver_at) INTO v_first FROM queen.timers t;
+        IF v_first IS NOT NULL THEN
+            PERFORM pg_notify('queen_timers', extract(epoch FROM v_first)::text);
+        END IF;
+    END IF;
+    RETURN v_paused;
+END
 $$;
 
 CREATE FUNCTION queen.resume_fire()

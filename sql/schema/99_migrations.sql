@@ -13,4 +13,5 @@ INSERT INTO queen.schema_migrations (version, name) VALUES
     (8, 'log_order'),
     (9, 'fire_path'),
     (10, 'schedule_path'),
-    (11, 'fire_no_subxact');
+    (11, 'fire_no_subxact'),
+    (12, 'resume_wakes');

@@ -121,6 +121,37 @@ def test_pausing_the_fire_stops_delivery_and_resuming_delivers(sdb, sweeper_brok
         assert c.get("/api/v1/system/timers").json()["pending"] == 0
 
 
+def test_resuming_the_fire_wakes_a_sleeping_sweeper_at_once(sdb, sweeper_broker):
+    # A 60 s maximum sleep: while paused the sweeper plans its longest sleep (nothing is due
+    # for it), so without the resume's NOTIFY the backlog would wait up to a minute.
+    sdb.execute("SELECT queen.pause_fire()")
+    sweeper_broker(QUEEN_SWEEPER_MAX_SLEEP_MS=60000)
+    schedule(sdb, [timer("rw", f"k{i}", 0, b"x") for i in range(3)])
+    time.sleep(1.0)  # the schedule's NOTIFY woke it, it found the fire paused and slept again
+    assert timer_count(sdb) == 3
+    resumed = sdb.execute("SELECT clock_timestamp() AS at, queen.resume_fire() AS running").fetchone()
+    assert resumed["running"] is True
+    wait_until(lambda: timer_count(sdb) == 0, 5, message="fire right after resume")
+    first = min(m["created_at"] for m in messages(sdb))
+    assert first - resumed["at"] < timedelta(seconds=2.5)  # PostgreSQL's clock on both sides
+
+
+def test_resume_notifies_the_soonest_due_time_and_pause_notifies_nothing(sdb, sweeper_url):
+    schedule(sdb, [timer("rn", "later", 3_600_000, b"l"), timer("rn", "sooner", 60_000, b"s")])
+    soonest = sdb.execute("SELECT extract(epoch FROM min(deliver_at))::text AS e FROM queen.timers").fetchone()["e"]
+    with psycopg.connect(sweeper_url, autocommit=True) as listen:
+        listen.execute("LISTEN queen_timers")
+        sdb.execute("SELECT queen.pause_fire()")
+        assert list(listen.notifies(timeout=0.5, stop_after=1)) == []
+        sdb.execute("SELECT queen.resume_fire()")
+        notes = list(listen.notifies(timeout=5, stop_after=1))
+        assert [n.payload for n in notes] == [soonest]
+        # nothing pending: a resume has nothing to wake anyone for
+        sdb.execute("DELETE FROM queen.timers")
+        sdb.execute("SELECT queen.resume_fire()")
+        assert list(listen.notifies(timeout=0.5, stop_after=1)) == []
+
+
 def test_pausing_scheduling_leaves_the_fire_running(sdb, sweeper_broker):
     b = sweeper_broker()
     schedule(sdb, [timer("ps", "before", 400, b"x")])
