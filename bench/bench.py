@@ -184,7 +184,9 @@ def main() -> int:
     ap.add_argument("--fire-rounds", type=int, default=5, help="rounds of the fire section (>= 5 for the verdict)")
     ap.add_argument("--fire-alt-batch", type=int, default=1024,
                     help="round 1 of the fire section also times a broker with this QUEEN_SWEEPER_BATCH (0: none)")
-    ap.add_argument("--scale-n", type=int, default=50000, help="due timers per scale run")
+    ap.add_argument("--scale-n", type=int, default=150000,
+                    help="due timers per scale drain (150,000: drains of 3-6 s; at 50,000 a drain took ~1 s "
+                         "and the machine's noise moved the ratios by +-0.15)")
     ap.add_argument("--scale-rounds", type=int, default=5)
     ap.add_argument("--lag2-rate", type=int, default=2000)
     ap.add_argument("--lag2-seconds", type=float, default=60)
