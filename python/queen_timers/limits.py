@@ -15,6 +15,7 @@ MAX_QUEUE_BYTES = 255
 MAX_TIMER_KEY_BYTES = 1024
 MAX_TXN_BYTES = 255
 MAX_PARTITION_BYTES = 255
+MAX_LOG_NAME_BYTES = 255  # consumerGroup, namespace, task
 
 LIMITS: dict[str, int] = {
     "queue": MAX_QUEUE_BYTES,
@@ -23,6 +24,9 @@ LIMITS: dict[str, int] = {
     "txn": MAX_TXN_BYTES,
     "transactionId": MAX_TXN_BYTES,     # the log's name for a txn
     "partition": MAX_PARTITION_BYTES,
+    "consumerGroup": MAX_LOG_NAME_BYTES,  # a key of the cursors' primary key
+    "namespace": MAX_LOG_NAME_BYTES,
+    "task": MAX_LOG_NAME_BYTES,
 }
 
 

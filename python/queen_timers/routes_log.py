@@ -88,6 +88,15 @@ def _opt_str(obj: dict, key: str, where: str) -> str | None:
     return _no_nul(f"{where}{key}", value)
 
 
+def _group(value: str | None, where: str = "") -> str | None:
+    """A consumer group name, checked like the other names (a NUL, bad Unicode or over 255
+    bytes is 400): it is a key of the cursors' index, where an oversized one would fail as a
+    capacity error (503) instead. None passes (the default group)."""
+    if value is not None:
+        check_name("consumerGroup", value, where)
+    return value
+
+
 def _uuid(value: object, what: str) -> uuid.UUID:
     if not isinstance(value, str):
         raise bad_request(f"{what} must be a UUID string")
@@ -140,6 +149,9 @@ async def configure(request: Request) -> JSONResponse:
     check_name("queue", queue)
     namespace = _opt_str(body, "namespace", "")
     task = _opt_str(body, "task", "")
+    for name, value in (("namespace", namespace), ("task", task)):
+        if value:
+            check_name(name, value)
     options = body.get("options")
     if options is None:
         options = {}
@@ -254,7 +266,7 @@ async def pop(request: Request) -> Response:
     batch = _int_param(request, "batch", 1, 1, MAX_BATCH)
     wait = _bool_param(request, "wait")
     timeout_ms = _int_param(request, "timeout", DEFAULT_POP_TIMEOUT_MS, 0, MAX_POP_TIMEOUT_MS)
-    group = _no_nul("consumerGroup", request.query_params.get("consumerGroup")) or QUEUE_MODE
+    group = _group(request.query_params.get("consumerGroup")) or QUEUE_MODE
     auto_ack = _bool_param(request, "autoAck")
 
     deadline = time.monotonic() + timeout_ms / 1000
@@ -318,7 +330,7 @@ def _parse_ack(obj: object, where: str, default_group: str | None) -> tuple:
     group = obj.get("consumerGroup")
     if group is not None and not isinstance(group, str):
         raise bad_request(f"{where}.consumerGroup must be a string")
-    _no_nul(f"{where}.consumerGroup", group)
+    _group(group, f"{where}.")
     return (txn, partition_id, status, error, lease, group or default_group)
 
 
@@ -352,7 +364,7 @@ async def ack_batch(request: Request) -> JSONResponse:
     group = body.get("consumerGroup")
     if group is not None and not isinstance(group, str):
         raise bad_request("consumerGroup must be a string")
-    _no_nul("consumerGroup", group)
+    _group(group)
     items = body.get("acknowledgments")
     if not isinstance(items, list):
         raise bad_request("acknowledgments is required (an array)")
@@ -401,7 +413,7 @@ async def get_message(request: Request) -> JSONResponse:
 async def list_dlq(request: Request) -> JSONResponse:
     principal = request.app.state.auth.require(request, READ_ONLY)
     queue = _no_nul("queue", request.query_params.get("queue")) or None
-    group = _no_nul("consumerGroup", request.query_params.get("consumerGroup")) or None
+    group = _group(request.query_params.get("consumerGroup")) or None
     if queue is not None:
         check_name("queue", queue)
     limit = _int_param(request, "limit", 100, 1, 1000)

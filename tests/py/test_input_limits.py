@@ -8,6 +8,7 @@ and leaves the broker answering the next ordinary call.
 from __future__ import annotations
 
 import json
+import secrets
 import socket
 import time
 
@@ -502,6 +503,21 @@ LOG_OVER = [
     ("GET", "/api/v1/messages/00000000-0000-0000-0000-000000000000/" + "t" * 256, None,
      "transactionId is 256 bytes"),
     ("GET", "/api/v1/dlq?queue=" + "q" * 256, None, "queue is 256 bytes"),
+    # a consumer group is a key of the cursors' index: over the limit it is a 400, not a 503
+    ("GET", "/api/v1/pop/queue/q?consumerGroup=" + "g" * 256, None, "consumerGroup is 256 bytes"),
+    ("GET", "/api/v1/pop/queue/q/partition/p?consumerGroup=" + "é" * 128, None, "consumerGroup is 256 bytes"),
+    ("POST", "/api/v1/ack", {"transactionId": "t", "partitionId": "00000000-0000-0000-0000-000000000000",
+                             "consumerGroup": "g" * 256}, "body.consumerGroup is 256 bytes"),
+    ("POST", "/api/v1/ack/batch", {"consumerGroup": "g" * 256, "acknowledgments": []}, "consumerGroup is 256 bytes"),
+    ("POST", "/api/v1/ack/batch", {"acknowledgments": [
+        {"transactionId": "t", "partitionId": "00000000-0000-0000-0000-000000000000", "consumerGroup": "g" * 256}]},
+     "acknowledgments[0].consumerGroup is 256 bytes"),
+    ("POST", "/api/v1/transaction", {"operations": [
+        {"type": "ack", "transactionId": "t", "partitionId": "00000000-0000-0000-0000-000000000000",
+         "consumerGroup": "g" * 256}]}, "operations[0].consumerGroup is 256 bytes"),
+    ("GET", "/api/v1/dlq?queue=q&consumerGroup=" + "g" * 256, None, "consumerGroup is 256 bytes"),
+    ("POST", "/api/v1/configure", {"queue": "q", "namespace": "n" * 256}, "namespace is 256 bytes"),
+    ("POST", "/api/v1/configure", {"queue": "q", "task": "t" * 256}, "task is 256 bytes"),
 ]
 
 
@@ -515,3 +531,29 @@ def test_log_routes_refuse_names_over_their_limits(client, db, method, path, bod
     r = client.post("/api/v1/push", json={"items": [{"queue": "q" * 255, "partition": "p" * 255,
                                                      "transactionId": "t" * 255, "payload": 1}]})
     assert r.status_code == 201 and r.json()[0]["status"] == "queued", r.text
+
+
+def test_a_huge_random_consumer_group_is_a_json_400_not_a_503(client, db):
+    # random hex does not compress: 12 KB reached the cursors' btree and failed there as a
+    # capacity error (54000 -> 503 "the database cannot answer right now")
+    group = secrets.token_hex(6000)
+    assert client.post("/api/v1/push", json={"items": [{"queue": "hg", "payload": 1}]}).status_code == 201
+    before = written(db)
+    r = client.get("/api/v1/pop/queue/hg", params={"consumerGroup": group})
+    answer = assert_json_error(r, 400, "timers_bad_request")
+    assert "consumerGroup is 12000 bytes; at most 255" in answer["detail"], answer
+    assert written(db) == before
+
+
+def test_log_names_at_their_limits_are_accepted(client, db):
+    group = "g" * 253 + "é"  # 255 bytes of UTF-8
+    r = client.post("/api/v1/configure", json={"queue": "lim", "namespace": "n" * 255, "task": "t" * 255})
+    assert r.status_code == 200 and r.json()["namespace"] == "n" * 255, r.text
+    assert client.post("/api/v1/push", json={"items": [{"queue": "lim", "payload": {"n": 1}}]}).status_code == 201
+    r = client.get("/api/v1/pop/queue/lim", params={"consumerGroup": group})
+    assert r.status_code == 200, r.text
+    m = r.json()["messages"][0]
+    assert m["consumerGroup"] == group
+    r = client.post("/api/v1/ack", json={"transactionId": m["transactionId"], "partitionId": m["partitionId"],
+                                         "leaseId": m["leaseId"], "consumerGroup": group})
+    assert r.status_code == 200 and r.json()[0]["success"] is True, r.text
