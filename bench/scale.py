@@ -86,7 +86,7 @@ class CpuMeter:
 
 def _cpu_text(c: dict) -> str:
     return (f"CPU over {c['wall_s']:.1f} s: machine {c['machine_busy'] * 100:.0f}% busy of {os.cpu_count()} cores; "
-            f"broker(s) {' + '.join(f'{x:.1f}' for x in c['brokers_cpu_s'])} s; PostgreSQL {c['pg_cpu_s']:.1f} s")
+            f"broker(s) {' + '.join(f'{x:.1f}' for x in c['brokers_cpu_s']) or 'none'} s; PostgreSQL {c['pg_cpu_s']:.1f} s")
 
 
 # -------------------------------------------------------------------------
@@ -121,11 +121,47 @@ def _drain(conn, timeout: float) -> float | None:
     return (t_end - first) if ok and first else None
 
 
+def _drain_sql(conn, sessions: list, batch: int, timeout: float) -> float | None:
+    """The same drain with no broker: the `sessions` (open connections, so that the CPU meter
+    counts their backends) call queen.fire_due_timers(batch) back to back (the sweeper's call)
+    until it answers nothing. What the statement can do on this machine with one and two
+    sessions: the ceiling the brokers' ratio is read against."""
+    deadline = time.monotonic() + timeout
+    errors: list[BaseException] = []
+
+    def work(c) -> None:
+        try:
+            while time.monotonic() < deadline and c.execute(
+                    "SELECT count(*) FROM queen.fire_due_timers(%s, NULL, false)", (batch,)).fetchone()[0]:
+                pass
+        except BaseException as exc:  # noqa: BLE001 (reported below)
+            errors.append(exc)
+
+    conn.execute("SELECT queen.resume_fire()")
+    threads = [threading.Thread(target=work, args=(c,)) for c in sessions]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    conn.execute("SELECT queen.pause_fire()")
+    if errors:
+        raise errors[0]
+    left = conn.execute("SELECT EXISTS (SELECT 1 FROM queen.timers)").fetchone()[0]
+    t_end = last_commit(conn)
+    first = conn.execute("SELECT extract(epoch FROM min(created_at))::float8 FROM queen.messages").fetchone()[0]
+    return (t_end - first) if not left and first else None
+
+
+SQL_ONE, SQL_TWO = "1 session, 4 queues (SQL)", "2 sessions, 4 queues (SQL)"
+
+
 def bench_scale(cluster: Cluster, url: str, broker: Broker, res, n: int, rounds: int) -> None:
     log(f"\n== scale: {n} due timers drained by one broker vs two brokers on one database, into 1 queue "
-        f"and into 4 queues (the same backlog split), {rounds} rounds ==")
+        f"and into 4 queues (the same backlog split), and by one vs two bare SQL sessions into 4 queues "
+        f"(no broker: the machine's ceiling), {rounds} rounds ==")
     second = start_broker(url, "scale")
-    cases = ["1 broker, 1 queue", "2 brokers, 1 queue", "1 broker, 4 queues", "2 brokers, 4 queues"]
+    batch = int(os.environ.get("QUEEN_SWEEPER_BATCH", "256"))  # the brokers' batch (they read the same variable)
+    cases = ["1 broker, 1 queue", "2 brokers, 1 queue", "1 broker, 4 queues", "2 brokers, 4 queues", SQL_ONE, SQL_TWO]
     rates: dict[str, list[float]] = {c: [] for c in cases}
     by_round: list[dict[str, float]] = []  # per round, for the paired ratios
     cpu: dict[str, list[dict]] = {c: [] for c in cases}
@@ -133,8 +169,11 @@ def bench_scale(cluster: Cluster, url: str, broker: Broker, res, n: int, rounds:
         with connect(url) as conn:
             for r in range(rounds):
                 by_round.append({})
-                for case in cases[r % 4:] + cases[:r % 4]:
+                for case in cases[r % len(cases):] + cases[:r % len(cases)]:
                     two = case.startswith("2")
+                    sql = "SQL" in case
+                    # who must not fire in this drain: the second broker for one broker, both for SQL
+                    stopped = [broker, second] if sql else [] if two else [second]
                     queues = ["bench-scale"] if "1 queue" in case else [f"bench-scale-{i}" for i in range(4)]
                     conn.execute("SELECT queen.pause_fire()")
                     _load_queues(conn, n, queues, f"s{r}")
@@ -143,16 +182,22 @@ def bench_scale(cluster: Cluster, url: str, broker: Broker, res, n: int, rounds:
                     # drains (rounds drifted 25% slower from the third on without this)
                     conn.execute("CHECKPOINT")
                     ckpt = _checkpoints(conn)
-                    if not two:
-                        second.proc.send_signal(signal.SIGSTOP)
-                    meter = CpuMeter(cluster, [broker, second] if two else [broker])
+                    for b in stopped:
+                        b.proc.send_signal(signal.SIGSTOP)
+                    meter = CpuMeter(cluster, [b for b in (broker, second) if b not in stopped])
+                    sessions = [connect(url) for _ in range(2 if two else 1)] if sql else []
                     try:
                         meter.start()
-                        secs = _drain(conn, timeout=max(60, n / 500))
+                        if sql:
+                            secs = _drain_sql(conn, sessions, batch, timeout=max(60, n / 500))
+                        else:
+                            secs = _drain(conn, timeout=max(60, n / 500))
                         c = meter.stop()
                     finally:
-                        if not two:
-                            second.proc.send_signal(signal.SIGCONT)
+                        for s in sessions:
+                            s.close()
+                        for b in stopped:
+                            b.proc.send_signal(signal.SIGCONT)
                     if secs is None:
                         log(f"  round {r + 1} {case}: NOT drained in time")
                         continue
@@ -160,7 +205,7 @@ def bench_scale(cluster: Cluster, url: str, broker: Broker, res, n: int, rounds:
                     by_round[-1][case] = n / secs
                     cpu[case].append(c)
                     during = _checkpoints(conn) - ckpt
-                    log(f"  round {r + 1} {case:20s}: {n / secs:8.0f} timers/s ({secs:.2f} s)  {_cpu_text(c)}"
+                    log(f"  round {r + 1} {case:26s}: {n / secs:8.0f} timers/s ({secs:.2f} s)  {_cpu_text(c)}"
                         + (f"; {during} checkpoint(s) during the drain" if during else ""))
             conn.execute("SELECT queen.resume_fire()")
     finally:
@@ -168,7 +213,7 @@ def bench_scale(cluster: Cluster, url: str, broker: Broker, res, n: int, rounds:
     med = {c: statistics.median(v) for c, v in rates.items() if v}
     for c in cases:
         if c in med:
-            log(f"  median {c:20s}: {med[c]:8.0f} timers/s  (rounds: {', '.join(f'{x:.0f}' for x in rates[c])})")
+            log(f"  median {c:26s}: {med[c]:8.0f} timers/s  (rounds: {', '.join(f'{x:.0f}' for x in rates[c])})")
     figures = {"n": n, "rounds": rounds, "median_rates_per_s": {c: round(v) for c, v in med.items()},
                "rates_per_s": {c: [round(x) for x in v] for c, v in rates.items()},
                "cpu": {c: v for c, v in cpu.items()}}
@@ -184,6 +229,15 @@ def bench_scale(cluster: Cluster, url: str, broker: Broker, res, n: int, rounds:
             log(f"  ratio {two} / {one}: {ratio:.2f} on the medians; per round "
                 f"{', '.join(f'{x:.2f}' for x in paired)}, median {statistics.median(paired):.2f} "
                 f"(target >= {target}) -> {'met' if ratio >= target else 'MISSED'}")
+    if SQL_ONE in med and SQL_TWO in med:
+        ratio = med[SQL_TWO] / med[SQL_ONE]
+        figures["ratio_4_queues_sql"] = round(ratio, 3)
+        paired = [x[SQL_TWO] / x[SQL_ONE] for x in by_round if SQL_TWO in x and SQL_ONE in x]
+        log(f"  ratio {SQL_TWO} / {SQL_ONE}: {ratio:.2f} on the medians; per round "
+            f"{', '.join(f'{x:.2f}' for x in paired)} (no broker: what two sessions of the statement add here)")
+        if "2 brokers, 4 queues" in med:
+            log(f"  brokers / bare sessions, 4 queues: one {med['1 broker, 4 queues'] / med[SQL_ONE]:.2f}, "
+                f"two {med['2 brokers, 4 queues'] / med[SQL_TWO]:.2f}")
     if "2 brokers, 4 queues" in med and "1 broker, 1 queue" in med:
         ratio = med["2 brokers, 4 queues"] / med["1 broker, 1 queue"]
         figures["ratio_4_queues_vs_1_broker_1_queue"] = round(ratio, 3)
