@@ -105,6 +105,14 @@ class Metrics:
             "queen_timers_claims_lost",
             "Claims this broker no longer held when it fired or failed (lease expired and taken over)",
             registry=r)
+        self.deltas_folded = Counter(
+            "queen_timers_deltas_folded",
+            "Pending-counter delta rows this broker folded into the tenants' counter rows (queen.fold_pending_deltas)",
+            registry=r)
+        self.fold_failures = Counter(
+            "queen_timers_fold_failures",
+            "Calls of queen.fold_pending_deltas by this broker that failed (retried about a second later)",
+            registry=r)
         self.retention_deleted = Counter(
             "queen_timers_retention_deleted",
             "Rows deleted by this broker's log retention (queen.apply_retention): 'pending' frames some group had "

@@ -311,9 +311,11 @@ class Sweeper:
             for _ in range(FOLD_CALLS_MAX):
                 n = (await self._fetch(FOLD, (FOLD_LIMIT,)))[0]["n"]
                 self.folded += n
+                self.metrics.deltas_folded.inc(n)
                 if n < FOLD_LIMIT:
                     break
         except Exception as exc:
+            self.metrics.fold_failures.inc()
             if _lost_primary(self._conn, exc) or _connection_broken(self._conn):
                 raise
             log.warning("sweeper %s: fold_pending_deltas failed (%s); next try in %.0f s",

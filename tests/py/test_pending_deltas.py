@@ -216,6 +216,8 @@ def test_the_brokers_sweeper_folds_the_deltas(client, db):
     """Cancels over HTTP and fires by the broker's own sweeper leave deltas; the sweeper folds
     them into the counter row within seconds, and every reader agrees with the rows."""
     keys = [f"f{i}" for i in range(6)]
+    fold_series = ("queen_timers_deltas_folded_total", "queen_timers_fold_failures_total")
+    folded_before, failures_before = _series(client, *fold_series)
     assert post(client, *[op("schedule", k) for k in keys], op("schedule", "due", delayMs=-1000)).status_code == 200
     for k in keys[:4]:
         assert client.delete(f"/api/v1/timers/reminders/{k}").json()["status"] == "cancelled"
@@ -231,3 +233,18 @@ def test_the_brokers_sweeper_folds_the_deltas(client, db):
     base = db.execute("SELECT pending_timers FROM queen.tenant_usage WHERE tenant = 'default'").fetchone()
     assert base["pending_timers"] == 2 == db.execute("SELECT count(*) AS n FROM queen.timers").fetchone()["n"]
     assert db.execute("SELECT pending FROM queen.get_timer_status()").fetchone()["pending"] == 2
+    # 4 cancels and 1 fire batch: 5 delta rows, each folded once, by this broker (the only one running)
+    folded, failures = _series(client, *fold_series)
+    assert (folded - folded_before, failures - failures_before) == (5, 0)
+
+
+def _series(client, *names: str) -> list[float]:
+    """The values of label-free series of the broker's Prometheus page (the broker is shared by
+    tests, so callers compare before and after)."""
+    values = {}
+    for line in client.get("/metrics/prometheus").text.splitlines():
+        name, _, value = line.partition(" ")
+        if name in names:
+            values[name] = float(value)
+    assert set(values) == set(names), values
+    return [values[n] for n in names]
