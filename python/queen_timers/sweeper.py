@@ -131,7 +131,6 @@ class Sweeper:
         self._leased_idle = False
         self._leased_skips = 0
         self._next_fold = 0.0
-        self.folded = 0
         self.cycles = 0
 
     # ------------------------------------------------------------------
@@ -305,12 +304,11 @@ class Sweeper:
             self.metrics.observe_fires(summary)
 
     async def _fold(self) -> None:
-        """Fold pending-counter deltas into the counter rows (bounded; a failure only logs)."""
+        """Fold pending-counter deltas into the counter rows (bounded; a failure is logged and counted)."""
         self._next_fold = time.monotonic() + FOLD_EVERY_S
         try:
             for _ in range(FOLD_CALLS_MAX):
                 n = (await self._fetch(FOLD, (FOLD_LIMIT,)))[0]["n"]
-                self.folded += n
                 self.metrics.deltas_folded.inc(n)
                 if n < FOLD_LIMIT:
                     break
