@@ -81,6 +81,12 @@ def fire_sql_function(conn, batch: int = BATCH) -> float:
     return time.perf_counter() - t0
 
 
+def first_fire(conn) -> float | None:
+    """The start of the first fire transaction that appended a frame (min messages.created_at),
+    on the database clock."""
+    return conn.execute("SELECT extract(epoch FROM min(created_at))::float8 FROM queen.messages").fetchone()[0]
+
+
 def last_commit(conn) -> float | None:
     """The commit instant of the last frame in the log (track_commit_timestamp), on the database clock."""
     return conn.execute("SELECT extract(epoch FROM max(pg_xact_commit_timestamp(xmin)))::float8 "
@@ -97,7 +103,7 @@ def fire_by_broker(conn, queue: str, timeout: float) -> dict:
     t_resume = conn.execute("SELECT queen.resume_fire(), extract(epoch FROM clock_timestamp())::float8").fetchone()[1]
     ok = wait_until(lambda: not exists_pending(conn, queue), timeout, 0.2)
     t_end = last_commit(conn) or db_now(conn)
-    first = conn.execute("SELECT extract(epoch FROM min(created_at))::float8 FROM queen.messages").fetchone()[0]
+    first = first_fire(conn)
     return {"drained": ok, "resume_to_empty": t_end - t_resume,
             "first_fire_to_empty": (t_end - first) if first else None}
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import zstandard
 
 from harness import Broker, Cluster, connect, load_timers, log, reset, start_broker, wait_until
-from perf import bench_lag, last_commit, vacuum
+from perf import bench_lag, first_fire, last_commit, vacuum
 
 TICK = os.sysconf("SC_CLK_TCK")
 
@@ -109,16 +109,23 @@ def _checkpoints(conn) -> int:
     return conn.execute("SELECT checkpoints_timed + checkpoints_req FROM pg_stat_bgwriter").fetchone()[0]
 
 
+def _timers_left(conn) -> bool:
+    return conn.execute("SELECT EXISTS (SELECT 1 FROM queen.timers)").fetchone()[0]
+
+
+def _fire_span(conn) -> float | None:
+    """Seconds from the first fire transaction's start to the last frame's commit (database clock)."""
+    first = first_fire(conn)
+    return last_commit(conn) - first if first else None
+
+
 def _drain(conn, timeout: float) -> float | None:
     """Resume the fire; seconds from the first fire transaction's start to the last frame's commit
     (the poll for an empty table is lazy and not part of the figure)."""
     conn.execute("SELECT queen.resume_fire()")
-    ok = wait_until(lambda: not conn.execute("SELECT EXISTS (SELECT 1 FROM queen.timers)").fetchone()[0],
-                    timeout, 0.2)
+    ok = wait_until(lambda: not _timers_left(conn), timeout, 0.2)
     conn.execute("SELECT queen.pause_fire()")
-    t_end = last_commit(conn)
-    first = conn.execute("SELECT extract(epoch FROM min(created_at))::float8 FROM queen.messages").fetchone()[0]
-    return (t_end - first) if ok and first else None
+    return _fire_span(conn) if ok else None
 
 
 def _drain_sql(conn, sessions: list, batch: int, timeout: float) -> float | None:
@@ -146,10 +153,7 @@ def _drain_sql(conn, sessions: list, batch: int, timeout: float) -> float | None
     conn.execute("SELECT queen.pause_fire()")
     if errors:
         raise errors[0]
-    left = conn.execute("SELECT EXISTS (SELECT 1 FROM queen.timers)").fetchone()[0]
-    t_end = last_commit(conn)
-    first = conn.execute("SELECT extract(epoch FROM min(created_at))::float8 FROM queen.messages").fetchone()[0]
-    return (t_end - first) if not left and first else None
+    return None if _timers_left(conn) else _fire_span(conn)
 
 
 SQL_ONE, SQL_TWO = "1 session, 4 queues (SQL)", "2 sessions, 4 queues (SQL)"
