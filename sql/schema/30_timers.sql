@@ -47,6 +47,21 @@ CREATE INDEX timers_deliver_at_idx ON queen.timers (deliver_at);
 -- due rows must not be walked to find the few zstd ones.
 CREATE INDEX timers_zstd_deliver_at_idx ON queen.timers (deliver_at) WHERE payload_zstd;
 
+-- The payloads of a large batch, streamed in by COPY in the transaction
+-- that then calls schedule_timers(p_staged => batch): the batch's ops then
+-- carry no bytes, so the checks and the gate ladder pass a small array
+-- around instead of copying hundreds of MB per pass (a 256 x 1 MiB batch
+-- took 16-19 s inline, most of it in those copies). schedule_timers
+-- deletes its batch's rows before it returns; a failed transaction leaves
+-- none. UNLOGGED: the rows never outlive their transaction, so they need
+-- no WAL (and are empty on a standby and after a crash, which is right).
+CREATE UNLOGGED TABLE queen.staged_payloads (
+    batch    uuid NOT NULL,
+    n        integer NOT NULL,  -- the op's ordinal in the batch, from 1
+    payload  bytea NOT NULL,
+    PRIMARY KEY (batch, n)
+);
+
 -- ---------------------------------------------------------------------
 -- Types
 -- ---------------------------------------------------------------------
@@ -397,6 +412,10 @@ $$;
 -- bench's schedule profile prints the join it got). A batch with cancels
 -- goes op by op in key order (a cancel and an upsert in separate
 -- statements could take two batches' rows in opposite orders).
+-- p_staged names a batch in queen.staged_payloads: an op whose ordinal
+-- has a staged row takes that row's bytes as its payload (its own
+-- payload is ignored), and the gate ladder sees their size. The staged
+-- rows are deleted before the function returns.
 CREATE FUNCTION queen.schedule_timers(
     p_tenant       text,
     p_ops          queen.timer_op[],
@@ -404,7 +423,8 @@ CREATE FUNCTION queen.schedule_timers(
     p_horizon_ms   bigint      DEFAULT NULL,
     p_tenancy      boolean     DEFAULT NULL,
     p_now          timestamptz DEFAULT NULL,
-    p_max_ops      integer     DEFAULT NULL)
+    p_max_ops      integer     DEFAULT NULL,
+    p_staged       uuid        DEFAULT NULL)
 RETURNS SETOF queen.timer_verdict
 LANGUAGE plpgsql AS $$
 DECLARE
@@ -429,13 +449,32 @@ BEGIN
     IF p_ops IS NULL OR cardinality(p_ops) = 0 THEN
         RETURN;
     END IF;
+    IF p_staged IS NOT NULL THEN
+        -- a staged op carries an empty payload and, as raw_size, the larger
+        -- of its staged and inflated sizes: the checks and the QTBIG rung
+        -- read them as they would the bytes (octet_length of a TOASTed
+        -- value reads its header only)
+        p_ops := ARRAY(
+            SELECT ROW(x.op, x.queue, x.timer_key, x.delay_ms, x.txn,
+                       CASE WHEN s.n IS NULL THEN x.payload ELSE ''::bytea END, x.partition,
+                       x.payload_zstd, x.encrypted,
+                       CASE WHEN s.n IS NULL THEN x.raw_size
+                            ELSE greatest(x.raw_size, octet_length(s.payload)) END)::queen.timer_op
+              FROM unnest(p_ops) WITH ORDINALITY AS x(op, queue, timer_key, delay_ms, txn, payload,
+                                                  partition, payload_zstd, encrypted, raw_size, n)
+              LEFT JOIN queen.staged_payloads s ON s.batch = p_staged AND s.n = x.n
+             ORDER BY x.n);
+    END IF;
     PERFORM queen.check_timer_ops(p_ops, p_max_ops);
     l := queen.check_timer_gates(p_tenant, p_ops, p_horizon_ms, p_tenancy, v_now);
 
     IF NOT EXISTS (SELECT 1 FROM unnest(p_ops) x WHERE x.op = 'cancel') THEN
         -- every op an upsert: one statement (see above)
         WITH b AS (
-            SELECT x.n::integer AS ordinal, x.op, x.queue, x.timer_key, x.txn, x.payload,
+            SELECT x.n::integer AS ordinal, x.op, x.queue, x.timer_key, x.txn,
+                   CASE WHEN p_staged IS NULL THEN x.payload
+                        ELSE coalesce((SELECT s.payload FROM queen.staged_payloads s
+                                        WHERE s.batch = p_staged AND s.n = x.n), x.payload) END AS payload,
                    coalesce(x.partition, 'Default') AS partition,
                    coalesce(x.payload_zstd, false) AS payload_zstd,
                    coalesce(x.encrypted, false) AS encrypted,
@@ -480,7 +519,11 @@ BEGIN
           INTO v_out, v_billed, v_pending, v_first_at;
     ELSE
         FOR o IN
-            SELECT x.*, x.n::integer AS ordinal
+            SELECT x.op, x.queue, x.timer_key, x.delay_ms, x.txn,
+                   CASE WHEN p_staged IS NULL THEN x.payload
+                        ELSE coalesce((SELECT s.payload FROM queen.staged_payloads s
+                                        WHERE s.batch = p_staged AND s.n = x.n), x.payload) END AS payload,
+                   x.partition, x.payload_zstd, x.encrypted, x.n::integer AS ordinal
               FROM unnest(p_ops) WITH ORDINALITY AS x(op, queue, timer_key, delay_ms, txn, payload,
                                                       partition, payload_zstd, encrypted, raw_size, n)
              ORDER BY x.queue, x.timer_key COLLATE "C"
@@ -567,6 +610,9 @@ BEGIN
     -- Wake sweepers whose next planned wake-up is later than this.
     IF v_first_at IS NOT NULL THEN
         PERFORM pg_notify('queen_timers', extract(epoch FROM v_first_at)::text);
+    END IF;
+    IF p_staged IS NOT NULL THEN
+        DELETE FROM queen.staged_payloads WHERE batch = p_staged;
     END IF;
 
     RETURN QUERY SELECT * FROM unnest(v_out);

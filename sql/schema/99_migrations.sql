@@ -14,4 +14,5 @@ INSERT INTO queen.schema_migrations (version, name) VALUES
     (9, 'fire_path'),
     (10, 'schedule_path'),
     (11, 'fire_no_subxact'),
-    (12, 'resume_wakes');
+    (12, 'resume_wakes'),
+    (13, 'staged_payloads');
