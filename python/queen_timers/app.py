@@ -16,6 +16,7 @@ from starlette.routing import Route
 
 from . import __version__, routes_dashboard, routes_log, routes_ops, routes_timers
 from .auth import Authenticator
+from .bodies import BodyBudget, BodyBudgetRelease, tune_malloc
 from .config import Settings
 from .db import make_pool
 from .errors import ApiError, from_exception
@@ -112,6 +113,7 @@ async def health(request: Request) -> JSONResponse:
 
 def create_app(settings: Settings | None = None) -> Starlette:
     settings = settings or Settings.from_env()
+    tune_malloc()
     pool = make_pool(settings)
     # QUEEN_READ_DATABASE_URL: peek and list read a hot standby; nothing else does
     read_pool = make_pool(settings, read=True) if settings.read_database_url else None
@@ -144,10 +146,14 @@ def create_app(settings: Settings | None = None) -> Starlette:
         exception_handlers={ApiError: api_error, psycopg.Error: database_error,
                             PoolTimeout: database_error, HTTPException: http_error,
                             Exception: unexpected_error},
-        middleware=[Middleware(UnexpectedErrors)],
+        # outermost: a request's share of the body budget is given back however it ends
+        middleware=[Middleware(BodyBudgetRelease), Middleware(UnexpectedErrors)],
         lifespan=lifespan,
     )
     app.state.settings = settings
+    budget = app.state.body_budget = BodyBudget(settings.body_budget_bytes, settings.body_wait_ms,
+                                                on_refuse=sweeper.metrics.body_budget_refusals.inc)
+    sweeper.metrics.body_budget_in_use.set_function(lambda: budget.used)
     app.state.pool = pool
     app.state.read_pool = read_pool
     app.state.auth = Authenticator(settings)

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import jwt
 from starlette.requests import Request
 
+from .bodies import TENANT_KEY
 from .config import Settings
 from .errors import ApiError
 
@@ -89,6 +90,7 @@ class Authenticator:
 
     def require(self, request: Request, level: str) -> Principal:
         principal = self.principal(request)
+        request.scope[TENANT_KEY] = principal.tenant  # the body budget's share is per tenant
         if not principal.allows(level):
             raise ApiError(403, "forbidden", f"this route needs {level}; the credential is {principal.role}")
         return principal

@@ -1,24 +1,40 @@
 """Request bodies, read and parsed in one place for every route that has one.
 
-- Size: at most QUEEN_MAX_BODY_BYTES. A Content-Length over it is refused
-  before a byte is read; a body without one (chunked) is streamed and
-  refused as soon as the bytes read pass it, so no more than the cap is
-  ever buffered. 413 {"error": "body_too_large"}.
-- JSON: UTF-8 (RFC 8259), nesting at most MAX_JSON_DEPTH levels, checked
-  on the bytes before the parser runs (Python's parser recurses: 2,000
-  levels were a RecursionError), no NaN/Infinity. 400 timers_bad_request.
+What a client sends never decides how much memory the broker uses:
+
+- Size: POST /api/v1/timers takes at most QUEEN_MAX_BODY_BYTES, every
+  other route QUEEN_LOG_MAX_BODY_BYTES. A Content-Length over the cap is
+  refused before a byte is read; a body without one (chunked) is refused
+  as soon as the bytes read pass it. 413 {"error": "body_too_large"}.
+- Budget: the bodies in flight of one broker weigh at most
+  QUEEN_BODY_BUDGET_BYTES, one tenant's at most half of it (so another
+  tenant always finds room for its largest legal request). A body is
+  weighed before it is read (its Content-Length times the route's
+  weight; a chunked body as it arrives). A request that does not fit
+  waits up to QUEEN_BODY_WAIT_MS for bodies ahead of it to finish, then
+  gets 503 timers_unavailable with Retry-After. The weight is held until
+  the response is sent (BodyBudgetRelease), whatever happens to the request.
+- JSON: UTF-8 (RFC 8259), no NaN/Infinity, nesting at most MAX_JSON_DEPTH
+  levels, at most QUEEN_JSON_MAX_VALUES values in all. A body over
+  SMALL_BODY_BYTES is scanned as its bytes arrive (JsonScanner), so an
+  excess is refused (400 timers_bad_request) when the parser reaches it,
+  not after the whole body was buffered and decoded.
 """
 
 from __future__ import annotations
 
-import json
+import asyncio
+import ctypes
+import ctypes.util
 import math
 import re
 from itertools import accumulate
+from typing import Callable
 
-from starlette.requests import Request
+import orjson
+from starlette.requests import ClientDisconnect, Request
 
-from .errors import ApiError, bad_request, check_json_unicode
+from .errors import ApiError, bad_request
 
 # The payload ceiling (decoded) and what it weighs in a JSON body as base64.
 PAYLOAD_CEILING_BYTES = 1 << 20
@@ -30,6 +46,20 @@ PER_OP_OVERHEAD_BYTES = 32 * 1024
 BODY_ENVELOPE_BYTES = 64 * 1024
 
 MAX_JSON_DEPTH = 128
+# Bodies up to this size are read whole and parsed in one call (under a
+# millisecond); larger ones are scanned as they arrive.
+SMALL_BODY_BYTES = 64 * 1024
+# What a body weighs in the budget, per byte of it. The timer route
+# decodes each operation's base64 as soon as the operation is complete and
+# streams the bytes to PostgreSQL (COPY), so it holds about 3/4 of its
+# body. The log routes hold the body, the parsed document, the payloads
+# re-encoded, the SQL parameters and libpq's copy of them: a 33 MB push of
+# 2 KB messages took 250 MB (7.5x); small values weigh more per byte, and
+# the log routes' caps on values and items bound that part.
+TIMERS_WEIGHT = 1
+LOG_WEIGHT = 16
+# A chunked body (no Content-Length) is weighed in steps of this much.
+CHUNKED_STEP_BYTES = 1 << 20
 
 
 def default_max_body_bytes(max_ops: int) -> int:
@@ -39,29 +69,308 @@ def default_max_body_bytes(max_ops: int) -> int:
     return max_ops * (BASE64_CEILING_BYTES + PER_OP_OVERHEAD_BYTES) + BODY_ENVELOPE_BYTES
 
 
-def body_too_large(cap: int, seen: int | None = None) -> ApiError:
+def body_too_large(cap: int, seen: int | None = None, *, variable: str = "QUEEN_MAX_BODY_BYTES") -> ApiError:
     said = f"Content-Length {seen}" if seen is not None else "the body"
-    return ApiError(413, "body_too_large",
-                    f"{said} is over the broker's limit of {cap} bytes (QUEEN_MAX_BODY_BYTES)")
+    return ApiError(413, "body_too_large", f"{said} is over the broker's limit of {cap} bytes ({variable})")
 
 
-async def read_body(request: Request) -> bytes:
-    """The whole body, never more than QUEEN_MAX_BODY_BYTES of it in memory."""
-    cap = request.app.state.settings.max_body_bytes
-    declared = request.headers.get("content-length")
-    if declared is not None:
+# ---------------------------------------------------------------------------
+# the budget of bodies in flight
+# ---------------------------------------------------------------------------
+
+HELD_KEY = "queen.body_held"    # scope key: [(tenant, weight), ...] this request holds
+TENANT_KEY = "queen.tenant"     # scope key: set by Authenticator.require
+
+
+class BodyBudget:
+    """Weights of the bodies in flight, per broker and per tenant, with a bounded wait."""
+
+    def __init__(self, total: int, wait_ms: int, on_refuse: Callable[[], None] | None = None):
+        self.total = total
+        self.on_refuse = on_refuse
+        self.per_tenant = total // 2
+        self.wait_s = wait_ms / 1000
+        self.used = 0
+        self.by_tenant: dict[str, int] = {}
+        self._waiters: list[asyncio.Future] = []
+
+    def _fits(self, tenant: str, n: int) -> bool:
+        return (self.used + n <= self.total
+                and self.by_tenant.get(tenant, 0) + n <= self.per_tenant)
+
+    async def take(self, scope: dict, tenant: str, n: int, deadline: float | None = None) -> float:
+        """Hold `n` for `tenant` until the request ends; returns the wait's deadline
+        (a chunked body's later steps share it). 503 when it does not fit in time."""
+        loop = asyncio.get_running_loop()
+        if deadline is None:
+            deadline = loop.time() + self.wait_s
+        if n > self.per_tenant:  # cannot happen for a legal request (config checks it)
+            raise busy(f"the body weighs {n} bytes, over a tenant's share of the budget")
+        while not self._fits(tenant, n):
+            left = deadline - loop.time()
+            if left <= 0:
+                if self.on_refuse is not None:
+                    self.on_refuse()
+                raise busy("the broker's budget for request bodies in flight is in use")
+            waiter = loop.create_future()
+            self._waiters.append(waiter)
+            try:
+                await asyncio.wait_for(waiter, left)
+            except asyncio.TimeoutError:
+                pass
+            finally:
+                if waiter in self._waiters:
+                    self._waiters.remove(waiter)
+        self.used += n
+        self.by_tenant[tenant] = self.by_tenant.get(tenant, 0) + n
+        scope.setdefault(HELD_KEY, []).append((tenant, n))
+        return deadline
+
+    def release(self, scope: dict) -> int:
+        """Give back everything the request holds; wake the waiters to try again."""
+        held = scope.pop(HELD_KEY, None)
+        if not held:
+            return 0
+        freed = 0
+        for tenant, n in held:
+            self.used -= n
+            left = self.by_tenant[tenant] - n
+            if left:
+                self.by_tenant[tenant] = left
+            else:
+                del self.by_tenant[tenant]
+            freed += n
+        waiters, self._waiters = self._waiters, []
+        for waiter in waiters:
+            if not waiter.done():
+                waiter.set_result(None)
+        return freed
+
+
+def busy(detail: str) -> ApiError:
+    return ApiError(503, "timers_unavailable",
+                    f"{detail} (QUEEN_BODY_BUDGET_BYTES); retry", {"Retry-After": "1"})
+
+
+# glibc keeps freed memory for reuse unless told otherwise: a broker that
+# parsed a few hundred MB would keep that RSS for good. Allocations of
+# 128 KiB and more are mapped and unmapped on their own (a fixed threshold:
+# glibc otherwise raises it to the largest block freed), and after a large
+# body the heap is trimmed.
+_M_MMAP_THRESHOLD = -3
+TRIM_AFTER_BYTES = 8 << 20
+
+
+def _libc():
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    except OSError:  # not glibc: nothing to tune
+        return None
+
+
+_LIBC = _libc()
+
+
+def tune_malloc() -> None:
+    if _LIBC is not None and hasattr(_LIBC, "mallopt"):
+        _LIBC.mallopt(_M_MMAP_THRESHOLD, 128 * 1024)
+
+
+def trim_malloc() -> None:
+    if _LIBC is not None and hasattr(_LIBC, "malloc_trim"):
+        _LIBC.malloc_trim(0)
+
+
+class BodyBudgetRelease:
+    """ASGI middleware: whatever a request held of the budget is given back when it
+    ends: after its response, on an error, or when the client went away mid-body."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
         try:
-            length = int(declared)
-        except ValueError:
-            raise bad_request("Content-Length is not an integer") from None
-        if length > cap:
-            raise body_too_large(cap, length)
-    buffer = bytearray()
-    async for chunk in request.stream():
-        if len(buffer) + len(chunk) > cap:
-            raise body_too_large(cap)
-        buffer += chunk
-    return bytes(buffer)
+            await self.app(scope, receive, send)
+        finally:
+            budget = scope.get("app") and scope["app"].state.body_budget
+            if budget is not None and HELD_KEY in scope:
+                if budget.release(scope) >= TRIM_AFTER_BYTES:
+                    trim_malloc()
+
+
+# ---------------------------------------------------------------------------
+# the incremental scan
+# ---------------------------------------------------------------------------
+
+class JsonLimit(ValueError):
+    """The text passes a limit (nesting, values, elements of an array)."""
+
+
+_STRUCT = re.compile(rb'["\[\]{},]')
+# the rest of a string's body: stops at its closing quote, or at the end of
+# what has arrived (a trailing backslash is left for the next chunk)
+_STRING_REST = re.compile(rb'[^"\\]*(?:\\.[^"\\]*)*', re.DOTALL)
+
+
+class JsonScanner:
+    """Follows a JSON text chunk by chunk, in C loops (regular expressions over
+    strings and between structural characters), and refuses it (JsonLimit) the
+    moment it nests deeper than max_depth or holds more than max_values values
+    (commas plus arrays and objects: an upper bound), or the array of the top-level
+    member `member` holds more than member_cap elements.
+
+    It keeps the bytes for one parse at the end (`kept`), except that each element
+    of the member array is cut out as soon as it is complete, parsed alone, given
+    to on_item, and replaced by `0` in the kept text: the timer route decodes an
+    operation's base64 while the next one arrives, and never holds the text."""
+
+    def __init__(self, *, max_values: int, max_depth: int = MAX_JSON_DEPTH,
+                 member: bytes | None = None, member_cap: int | None = None,
+                 member_refusal: Callable[[int], str] | None = None,
+                 on_item: Callable[[object], object] | None = None,
+                 kept_cap: int | None = None, item_cap: int | None = None):
+        self.max_values, self.max_depth = max_values, max_depth
+        self.kept_cap, self.item_cap = kept_cap, item_cap
+        self.member, self.member_cap = member, member_cap
+        self.member_refusal = member_refusal
+        self.on_item = on_item
+        self.buf = bytearray()
+        self.pos = 0
+        self.in_string = False
+        self.string_start = 0
+        self.depth = 0
+        self.values = 1
+        self.top_is_object = None      # the first container's kind, once seen
+        self.last_key = (0, 0)         # span of the last string closed at depth 1
+        self.in_member = False         # inside the member array (depth 2)
+        self.member_arrays = 0
+        self.item_start = 0
+        self.item_count = 0
+        self.items: list = []
+
+    def feed(self, chunk: bytes) -> None:
+        buf = self.buf
+        buf += chunk
+        i, n = self.pos, len(buf)
+        while i < n:
+            if self.in_string:
+                # memchr first: a base64 payload has no backslash, so no escape to honour
+                end = buf.find(b'"', i)
+                if buf.find(b"\\", i, n if end < 0 else end) >= 0:
+                    end = _STRING_REST.match(buf, i).end()  # stops before a trailing lone backslash
+                    closed = end < n and buf[end] == 0x22
+                else:
+                    closed = end >= 0
+                    end = end if closed else n
+                if not closed:  # resume here with the next chunk
+                    i = end
+                    break
+                self.in_string = False
+                if self.depth == 1:
+                    self.last_key = (self.string_start, end)
+                i = end + 1
+                continue
+            m = _STRUCT.search(buf, i)
+            if m is None:
+                i = n
+                break
+            j = m.start()
+            c = buf[j]
+            if c == 0x22:  # "
+                self.in_string = True
+                self.string_start = j + 1
+            elif c == 0x2C:  # ,
+                self._count(1)
+                if self.in_member and self.depth == 2:
+                    j = self._cut_item(j)
+                    n = len(buf)
+            elif c in (0x5B, 0x7B):  # [ {
+                self.depth += 1
+                if self.depth > self.max_depth:
+                    raise JsonLimit(f"nests deeper than {self.max_depth} levels")
+                self._count(1)
+                if self.depth == 1:
+                    self.top_is_object = c == 0x7B
+                elif (self.depth == 2 and c == 0x5B and self.top_is_object and self.member is not None
+                      and bytes(buf[self.last_key[0]:self.last_key[1]]) == self.member):
+                    self.member_arrays += 1
+                    if self.member_arrays > 1:
+                        raise JsonLimit(f"has the member {self.member.decode()!r} more than once")
+                    self.in_member = True
+                    self.item_start = j + 1
+            else:  # ] }
+                if self.in_member and self.depth == 2:
+                    j = self._cut_item(j)
+                    n = len(buf)
+                    self.in_member = False
+                self.depth -= 1
+            i = j + 1
+        self.pos = i
+        if self.kept_cap is not None:
+            self._check_kept()
+
+    def _check_kept(self) -> None:
+        """With a member (the timer route), what is kept besides the element that is
+        arriving stays small, and so does that element: the text of one operation
+        is parsed whole, so it is bounded like everything else."""
+        outside = self.item_start if self.in_member else len(self.buf)
+        if outside > self.kept_cap:
+            raise JsonLimit(f"has more than {self.kept_cap} bytes outside the elements of "
+                            f"{self.member.decode()!r}")
+        if self.in_member and self.item_cap is not None and len(self.buf) - self.item_start > self.item_cap:
+            raise ApiError(413, "body_too_large",
+                           f"element {self.item_count} of {self.member.decode()!r} is over {self.item_cap} "
+                           f"bytes of JSON, the most one element may take")
+
+    def _count(self, k: int) -> None:
+        self.values += k
+        if self.values > self.max_values:
+            raise JsonLimit(f"holds more than {self.max_values} JSON values")
+
+    def _cut_item(self, j: int) -> int:
+        """The member array's element in buf[item_start:j] is complete: parse it
+        alone, hand it to on_item, keep `0` in its place. Returns where j is now."""
+        raw = bytes(self.buf[self.item_start:j])
+        if not raw.strip():  # `[]`, or a stray comma: left for the final parse to judge
+            self.item_start = j + 1
+            return j
+        self.item_count += 1
+        if self.member_cap is not None and self.item_count > self.member_cap:
+            if self.member_refusal is not None:
+                raise bad_request(self.member_refusal(self.member_cap))
+            raise JsonLimit(f"has more than {self.member_cap} elements in {self.member.decode()!r}")
+        item = _loads(raw)
+        self.items.append(self.on_item(item) if self.on_item is not None else item)
+        self.buf[self.item_start:j] = b"0"
+        j = self.item_start + 1
+        self.item_start = j + 1
+        return j
+
+    def finish(self) -> object:
+        """The whole document, the member array's elements put back in place."""
+        document = _loads(bytes(self.buf))
+        if self.member_arrays:
+            array = document.get(self.member.decode()) if isinstance(document, dict) else None
+            if not isinstance(array, list) or len(array) != len(self.items):
+                raise ValueError("the kept text does not match the elements cut out")
+            array[:] = self.items
+        return document
+
+
+class JsonNotUnicode(ValueError):
+    """A string of the text is a lone surrogate escape: JSON, but no Unicode."""
+
+
+def _loads(raw: bytes) -> object:
+    try:
+        return orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        if "surrogate in string" in str(exc):  # orjson's words for a lone \uD800-\uDFFF escape
+            raise JsonNotUnicode(str(exc)) from None
+        raise
 
 
 # A JSON string (an unterminated one runs to the end: never rescanned), or
@@ -88,41 +397,140 @@ def json_depth_exceeds(raw: bytes, limit: int = MAX_JSON_DEPTH) -> bool:
     return max(accumulate(map(_STEP.__getitem__, brackets))) > limit
 
 
-class JsonTooDeep(ValueError):
+class JsonTooDeep(JsonLimit):
     """The text nests deeper than the limit."""
 
 
-def _no_constant(name: str):
-    raise ValueError(f"{name} is not JSON")
-
-
-def parse_json(raw: bytes, *, limit: int = MAX_JSON_DEPTH) -> object:
-    """Strict JSON from bytes; ValueError (with a reason) when it is not."""
-    text = raw.decode("utf-8")  # UnicodeDecodeError is a ValueError
+def parse_json(raw: bytes, *, limit: int = MAX_JSON_DEPTH, max_values: int | None = None) -> object:
+    """Strict JSON from bytes, parsed whole; ValueError (with a reason) when it is not."""
     if json_depth_exceeds(raw, limit):
         raise JsonTooDeep(f"nests deeper than {limit} levels")
-    try:
-        return json.loads(text, parse_constant=_no_constant)
-    except RecursionError:  # cannot happen under the limit; never a 500 if it did
-        raise JsonTooDeep(f"nests deeper than {limit} levels") from None
+    # commas and brackets bound the values from above: only a body near the
+    # cap pays for the exact scan
+    if max_values is not None and raw.count(b",") + raw.count(b"[") + raw.count(b"{") + 1 > max_values:
+        scanner = JsonScanner(max_values=max_values, max_depth=limit)
+        scanner.feed(raw)
+    return _loads(raw)
 
 
-async def read_json(request: Request, *, empty: object = ..., unicode: bool = False) -> object:
+# ---------------------------------------------------------------------------
+# reading a body
+# ---------------------------------------------------------------------------
+
+async def read_body(request: Request, *, timers: bool = False) -> bytes:
+    """The whole body, never more than the route's cap of it in memory (the budget
+    is held as for read_json)."""
+    chunks = bytearray()
+
+    def keep(chunk: bytes) -> None:
+        chunks.extend(chunk)
+
+    await _stream(request, keep, timers=timers)
+    return bytes(chunks)
+
+
+async def _stream(request: Request, consume: Callable[[bytes], None], *, timers: bool) -> int:
+    """Feed the body to `consume` chunk by chunk, under the route's cap and the
+    budget. Returns the number of bytes read."""
+    settings = request.app.state.settings
+    if timers:
+        cap, weight, variable = settings.max_body_bytes, TIMERS_WEIGHT, "QUEEN_MAX_BODY_BYTES"
+    else:
+        cap, weight, variable = settings.log_max_body_bytes, LOG_WEIGHT, "QUEEN_LOG_MAX_BODY_BYTES"
+    budget: BodyBudget = request.app.state.body_budget
+    tenant = request.scope.get(TENANT_KEY, "default")
+    declared = request.headers.get("content-length")
+    held = 0
+    deadline = None
+    if declared is not None:
+        try:
+            length = int(declared)
+        except ValueError:
+            raise bad_request("Content-Length is not an integer") from None
+        if length > cap:
+            raise body_too_large(cap, length, variable=variable)
+        if length > 0:  # weighed before a byte is read
+            deadline = await budget.take(request.scope, tenant, length * weight)
+            held = length
+    seen = 0
+    async for chunk in request.stream():
+        if not chunk:
+            continue
+        seen += len(chunk)
+        if seen > cap:
+            raise body_too_large(cap, variable=variable)
+        if seen > held:  # chunked (or a body longer than announced: uvicorn refuses that)
+            step = min(max(CHUNKED_STEP_BYTES, seen - held), cap - held)
+            deadline = await budget.take(request.scope, tenant, step * weight, deadline)
+            held += step
+        consume(chunk)
+    return seen
+
+
+async def read_json(request: Request, *, empty: object = ..., unicode: bool = False,
+                    timers: bool = False, member: str | None = None, member_cap: int | None = None,
+                    member_refusal: Callable[[int], str] | None = None,
+                    on_item: Callable[[object], object] | None = None,
+                    kept_cap: int | None = None, item_cap: int | None = None) -> object:
     """The body as JSON (400 timers_bad_request when it is not, 413 when too
-    large). `empty`, when given, is the value of an empty body. unicode=True
-    also refuses a lone surrogate in any string (errors.check_json_unicode),
-    which only a \\u escape can produce: a body without a backslash skips the walk."""
-    raw = await read_body(request)
-    if not raw and empty is not ...:
-        return empty
+    large, 503 when the budget has no room in time). `empty`, when given, is the
+    value of an empty body. No string can hold a lone surrogate: the parser
+    (orjson) refuses one, 400 (`unicode` is accepted for the callers that ask
+    for that explicitly). timers=True: the timer route's cap and
+    weight. member/member_cap/on_item: the top-level member whose array is
+    counted and cut out element by element as it arrives (see JsonScanner)."""
+    max_values = request.app.state.settings.json_max_values
+    small = bytearray()
+    scanner: JsonScanner | None = None
+
+    def consume(chunk: bytes) -> None:
+        nonlocal scanner
+        if scanner is None:
+            small.extend(chunk)
+            if len(small) <= SMALL_BODY_BYTES:
+                return
+            scanner = JsonScanner(max_values=max_values, member=member.encode() if member else None,
+                                  member_cap=member_cap, member_refusal=member_refusal, on_item=on_item,
+                                  kept_cap=kept_cap, item_cap=item_cap)
+            first = bytes(small)
+            small.clear()
+            _check_utf8_prefix(first)
+            scanner.feed(first)
+        else:
+            scanner.feed(chunk)
+
     try:
-        body = parse_json(raw)
-    except UnicodeDecodeError:
-        raise bad_request("the body is not valid JSON (not UTF-8)") from None
-    except JsonTooDeep as exc:
-        raise bad_request(f"the body {exc}: the JSON nesting limit is {MAX_JSON_DEPTH}") from None
-    except ValueError:
-        raise bad_request("the body is not valid JSON") from None
-    if unicode and b"\\" in raw:
-        check_json_unicode(body)
-    return body
+        try:
+            await _stream(request, consume, timers=timers)
+            if scanner is None:
+                raw = bytes(small)
+                if not raw and empty is not ...:
+                    return empty
+                raw.decode("utf-8")  # UnicodeDecodeError is a ValueError
+                return parse_json(raw, max_values=max_values)
+            body = scanner.finish()
+            return body
+        except ClientDisconnect:
+            raise
+        except JsonLimit as exc:
+            raise bad_request(f"the body {exc}: see the JSON limits (nesting {MAX_JSON_DEPTH}, "
+                              f"QUEEN_JSON_MAX_VALUES {max_values})") from None
+        except UnicodeDecodeError:
+            raise bad_request("the body is not valid JSON (not UTF-8)") from None
+        except JsonNotUnicode:
+            raise bad_request("the body holds a string that is not valid Unicode "
+                              "(a lone surrogate escape)") from None
+        except ValueError:
+            raise bad_request("the body is not valid JSON") from None
+    except ApiError:
+        raise
+
+
+def _check_utf8_prefix(raw: bytes) -> None:
+    """The scanned path's first bytes are UTF-8 (orjson checks every piece it
+    parses; this catches a binary body before the scan walks it)."""
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        if exc.start < len(raw) - 3:  # not merely a character cut at the chunk's end
+            raise

@@ -461,7 +461,7 @@ def _verdict(r: dict) -> dict:
 
 
 def cmd_schedule(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from .routes_timers import ENCRYPTING_QUEUES_SQL, SCHEDULE_SQL, _encrypt_ops, _parse_ops
+    from .routes_timers import ENCRYPTING_QUEUES_SQL, SCHEDULE_SQL, _encrypt_ops, _parse_ops, _schedule_params
 
     if args.file is not None:
         if args.queue is not None or args.key is not None:
@@ -499,17 +499,9 @@ def cmd_schedule(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
         progress = Progress("operations sent", len(ops), args.progress)
         for start in range(0, len(ops), size):
             batch = ops[start:start + size]
-            params = {
-                "tenant": args.tenant, "producer_sub": None, "horizon_ms": settings.timers_horizon_ms,
-                "tenancy": settings.tenancy, "max_ops": settings.timers_max_ops,
-                "op": [o["op"] for o in batch], "queue": [o["queue"] for o in batch],
-                "timer_key": [o["timerKey"] for o in batch], "delay_ms": [o.get("delayMs") for o in batch],
-                "txn": [o["txn"] for o in batch], "payload": [o.get("payload") for o in batch],
-                "partition": [o.get("partition") for o in batch],
-                "payload_zstd": [o.get("payloadZstd") for o in batch],
-                "encrypted": [o.get("encrypted") for o in batch],
-                "raw_size": [o.get("raw_size") for o in batch],
-            }
+            params = _schedule_params(batch)  # the route's arrays (staged: None, the bytes inline)
+            params.update(tenant=args.tenant, producer_sub=None, horizon_ms=settings.timers_horizon_ms,
+                          tenancy=settings.tenancy, max_ops=settings.timers_max_ops)
             try:
                 rows = _guard(lambda: conn.execute(SCHEDULE_SQL, params).fetchall())
             except CliError as exc:

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import psycopg
 from psycopg.conninfo import conninfo_to_dict
 
-from .bodies import default_max_body_bytes
+from .bodies import LOG_WEIGHT, TIMERS_WEIGHT, default_max_body_bytes
 
 
 class ConfigError(ValueError):
@@ -89,6 +89,13 @@ class Settings:
     timers_horizon_ms: int = 90 * 24 * 3600 * 1000
     timers_max_ops: int = 256
     max_body_bytes: int = 0  # from_env derives it from timers_max_ops when unset
+    # request bodies (bodies.py): every other route's cap, the budget in flight, its wait,
+    # the JSON values a body may hold, and the payload bytes from which a batch is staged
+    log_max_body_bytes: int = 8 * 1024 * 1024
+    body_budget_bytes: int = 0  # from_env: twice the largest legal weight
+    body_wait_ms: int = 5000
+    json_max_values: int = 1_000_000
+    timers_stage_bytes: int = 4 * 1024 * 1024
     # security and tenancy
     encryption_key: bytes | None = None
     auth: str = "off"
@@ -128,7 +135,13 @@ class Settings:
             retention_batch=_int(env, "QUEEN_RETENTION_BATCH", 1000, 1),
             timers_horizon_ms=_int(env, "QUEEN_TIMERS_HORIZON_MS", 90 * 24 * 3600 * 1000, 1),
             timers_max_ops=(max_ops := _int(env, "QUEEN_TIMERS_MAX_OPS", 256, 1)),
-            max_body_bytes=_int(env, "QUEEN_MAX_BODY_BYTES", default_max_body_bytes(max_ops), 1),
+            max_body_bytes=(max_body := _int(env, "QUEEN_MAX_BODY_BYTES", default_max_body_bytes(max_ops), 1)),
+            log_max_body_bytes=(log_max := _int(env, "QUEEN_LOG_MAX_BODY_BYTES", 8 * 1024 * 1024, 1)),
+            body_budget_bytes=_int(env, "QUEEN_BODY_BUDGET_BYTES",
+                                   2 * max(max_body * TIMERS_WEIGHT, log_max * LOG_WEIGHT), 1),
+            body_wait_ms=_int(env, "QUEEN_BODY_WAIT_MS", 5000, 0),
+            json_max_values=_int(env, "QUEEN_JSON_MAX_VALUES", 1_000_000, 1),
+            timers_stage_bytes=_int(env, "QUEEN_TIMERS_STAGE_BYTES", 4 * 1024 * 1024, 0),
             encryption_key=_key(env),
             auth=auth,
             jwt_secret=env.get("QUEEN_JWT_SECRET") or None,
@@ -142,6 +155,12 @@ class Settings:
             # libpq's floor is 2 s; 0 would mean "wait forever" there, which the broker never does
             connect_timeout_s=_int(env, "QUEEN_CONNECT_TIMEOUT_S", 5, 2),
         )
+        largest = max(settings.max_body_bytes * TIMERS_WEIGHT, settings.log_max_body_bytes * LOG_WEIGHT)
+        if settings.body_budget_bytes // 2 < largest:
+            # a tenant may hold half the budget: the largest legal body must fit in that half
+            raise ConfigError(f"QUEEN_BODY_BUDGET_BYTES must be at least {2 * largest} (twice the weight of the "
+                              f"largest legal body: QUEEN_MAX_BODY_BYTES x{TIMERS_WEIGHT}, "
+                              f"QUEEN_LOG_MAX_BODY_BYTES x{LOG_WEIGHT}), got {settings.body_budget_bytes}")
         if settings.retention_batch > 100000:
             raise ConfigError(f"QUEEN_RETENTION_BATCH must be <= 100000, got {settings.retention_batch}")
         if settings.sweeper_min_sleep_ms > settings.sweeper_max_sleep_ms:

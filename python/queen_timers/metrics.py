@@ -118,6 +118,14 @@ class Metrics:
             "Rows deleted by this broker's log retention (queen.apply_retention): 'pending' frames some group had "
             "not consumed, 'completed' frames every group had consumed, 'dlq' dead letters",
             ["kind"], registry=r)
+        self.body_budget_in_use = Gauge(
+            "queen_timers_body_budget_in_use_bytes",
+            "Weight of the request bodies in flight on this broker (at most QUEEN_BODY_BUDGET_BYTES)",
+            registry=r)
+        self.body_budget_refusals = Counter(
+            "queen_timers_body_budget_refusals",
+            "Requests answered 503 because the body budget had no room within QUEEN_BODY_WAIT_MS",
+            registry=r)
         self.pending = Gauge(
             "queen_timers_pending", "Pending timers in the cell (read from PostgreSQL at scrape)", registry=r)
         self.fire_paused = Gauge(

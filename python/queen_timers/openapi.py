@@ -255,10 +255,12 @@ TIMER_PATHS: dict[str, dict] = {
                            "timer_horizon_exceeded"], HINT_HDR),
             "413": _error("payload_too_large: a decoded (or decompressed) payload is over min(1 MiB, "
                           "the plan's max), a rung, with the hint header; body_too_large: the request "
-                          "body is over QUEEN_MAX_BODY_BYTES (refused before it is read whole, no hint)",
+                          "body is over QUEEN_MAX_BODY_BYTES, or one operation's JSON over 8 MiB (refused "
+                          "before it is read whole, no hint)",
                           ["payload_too_large", "body_too_large"], HINT_HDR),
             "429": _error("rate exceeded", ["rate_limited"], {**RETRY_AFTER, **HINT_HDR}),
-            "503": _error("an operator paused scheduling, or the database cannot answer",
+            "503": _error("an operator paused scheduling, the database cannot answer, or the body budget "
+                          "(QUEEN_BODY_BUDGET_BYTES) had no room in time",
                           ["timers_disabled", "timers_unavailable"], {**RETRY_AFTER, **HINT_HDR}),
         },
     }},
@@ -315,19 +317,27 @@ TIMER_PATHS: dict[str, dict] = {
 }
 
 
-BODY_TOO_LARGE = _error("the request body is over QUEEN_MAX_BODY_BYTES (by its Content-Length, or "
-                        "by the bytes streamed so far); nothing is written", ["body_too_large"])
+BODY_TOO_LARGE = _error("the request body is over its cap (QUEEN_MAX_BODY_BYTES for POST /api/v1/timers, "
+                        "QUEEN_LOG_MAX_BODY_BYTES for every other route) by its Content-Length, or by the "
+                        "bytes streamed so far; nothing is written", ["body_too_large"])
+BODY_BUSY = _error("the broker's budget for request bodies in flight (QUEEN_BODY_BUDGET_BYTES) had no room "
+                   "within QUEEN_BODY_WAIT_MS; retry after Retry-After", ["timers_unavailable"], RETRY_AFTER)
+JSON_LIMITS = _error("not JSON, or past a JSON limit (nesting 128, QUEEN_JSON_MAX_VALUES values, an "
+                     "array's element cap); refused as soon as the parser reaches it", ["timers_bad_request"])
 INTERNAL_ERROR = _error("a bug: the broker log has the traceback; nothing is promised written or not",
                         ["internal_error"])
 
 
 def _add_common_responses(paths: dict) -> None:
-    """Every operation may answer 500 internal_error; every one with a body 413 body_too_large."""
+    """Every operation may answer 500 internal_error; every one with a body 413 body_too_large,
+    400 for its JSON and 503 timers_unavailable when the body budget is full."""
     for methods in paths.values():
         for operation in methods.values():
             responses = operation.setdefault("responses", {})
-            if "requestBody" in operation and "413" not in responses:
-                responses["413"] = copy.deepcopy(BODY_TOO_LARGE)
+            if "requestBody" in operation:
+                responses.setdefault("413", copy.deepcopy(BODY_TOO_LARGE))
+                responses.setdefault("400", copy.deepcopy(JSON_LIMITS))
+                responses.setdefault("503", copy.deepcopy(BODY_BUSY))
             responses.setdefault("500", copy.deepcopy(INTERNAL_ERROR))
 
 

@@ -17,6 +17,8 @@ every state change is one queen.* call. SQLSTATE -> HTTP is errors.py.
 from __future__ import annotations
 
 import logging
+import math
+import uuid
 from datetime import datetime, timezone
 from urllib.parse import unquote_to_bytes
 
@@ -27,7 +29,7 @@ from starlette.routing import Route
 
 from . import convertors, payloads  # noqa: F401 (convertors: registers {x:anypath})
 from .auth import READ_ONLY, READ_WRITE, WRITE_ONLY
-from .bodies import read_json
+from .bodies import SMALL_BODY_BYTES, read_json
 from .errors import ApiError, bad_request, from_exception
 from .limits import check_name
 from .openapi import openapi_endpoint
@@ -78,7 +80,8 @@ SELECT v.ordinal, v.ok, v.status, v.queue, v.timer_key, v.txn, v.message_id, v.d
          %(producer_sub)s,
          %(horizon_ms)s::bigint,
          %(tenancy)s::boolean,
-         p_max_ops => %(max_ops)s::integer) AS v
+         p_max_ops => %(max_ops)s::integer,
+         p_staged => %(staged)s::uuid) AS v
  ORDER BY v.ordinal
 """
 
@@ -105,6 +108,19 @@ SELECT e.queues,
 
 # the caller's queues only: a queue name is unique per tenant, not per cell
 ENCRYPTING_QUEUES_SQL = "SELECT queen.encrypted_queues(%s, %s::text[]) AS name"
+
+# A batch whose payloads pass QUEEN_TIMERS_STAGE_BYTES is staged: its bytes are
+# streamed to queen.staged_payloads by COPY (never one parameter of hundreds of
+# MB, never a copy in the broker), then schedule_timers(p_staged => batch) runs
+# in the same transaction, with the same checks and verdicts. Its statements may
+# take longer than QUEEN_STATEMENT_TIMEOUT_MS: the transaction's timeout grows
+# by STAGED_MS_PER_MIB per MiB staged (a 256 x 1 MiB batch took ~3.5 s here).
+STAGE_SQL = "COPY queen.staged_payloads (batch, n, payload) FROM STDIN (FORMAT BINARY)"
+STAGED_MS_PER_MIB = 100
+# The JSON text of one operation is parsed whole, so it is bounded: 8 MiB, far
+# past a legal one (a payload at the ceiling as base64 is 1.4 MB, 2.8 MB if every
+# `/` is sent as `\/`): a larger payload or name meets its own 413 or 400 first.
+OP_TEXT_CAP = 8 * 1024 * 1024
 
 
 # ---------------------------------------------------------------------------
@@ -264,6 +280,9 @@ def _parse_ops(body: object, max_ops: int) -> list[dict]:
         delay = raw.get("delayMs")
         if delay is None:
             raise bad_request(f"{where}delayMs is required for {op}")
+        if isinstance(delay, float) and not -2.0 ** 63 < delay < 2.0 ** 63:
+            # the parser gives an integer past 64 bits as a float
+            raise bad_request(f"{where}delayMs is out of range (a 64-bit integer)")
         if isinstance(delay, bool) or not isinstance(delay, int):
             raise bad_request(f"{where}delayMs must be an integer number of milliseconds")
         if not INT64_MIN <= delay <= INT64_MAX:
@@ -284,12 +303,16 @@ def _parse_ops(body: object, max_ops: int) -> list[dict]:
             parsed[name] = value
         parsed["encryptedGiven"] = "encrypted" in raw and raw["encrypted"] is not None
 
-        if raw.get("payload") is None:
+        payload = raw.get("payload")
+        if payload is None:
             raise bad_request(f"{where}payload is required for {op}")
-        try:
-            data = payloads.decode_base64(raw["payload"])
-        except payloads.PayloadError as exc:
-            raise bad_request(f"{where}{exc}") from None
+        if isinstance(payload, Decoded):
+            data = payload.data
+        else:
+            try:
+                data = payloads.decode_base64(payload)
+            except payloads.PayloadError as exc:
+                raise bad_request(f"{where}{exc}") from None
         parsed["payload"] = data
         parsed["raw_size"] = None
         parsed["plain"] = None
@@ -304,6 +327,28 @@ def _parse_ops(body: object, max_ops: int) -> list[dict]:
             parsed["plain"] = None if over else plain
         out.append(parsed)
     return out
+
+
+class Decoded:
+    """An operation's payload, decoded from base64 as soon as the operation's text had
+    arrived (the text is dropped then: a large batch is never held twice)."""
+    __slots__ = ("data",)
+
+    def __init__(self, data: bytes):
+        self.data = data
+
+
+def _decode_early(op: object) -> object:
+    """read_json's on_item for each element of "operations": a valid base64 payload
+    becomes Decoded; anything else is left for _parse_ops to refuse in its turn."""
+    if isinstance(op, dict):
+        text = op.get("payload")
+        if isinstance(text, str):
+            try:
+                op["payload"] = Decoded(payloads.decode_base64(text))
+            except payloads.PayloadError:
+                pass
+    return op
 
 
 def _encrypt_ops(ops: list[dict], encrypting: set[str], key: bytes | None) -> None:
@@ -359,14 +404,25 @@ def _schedule_params(ops: list[dict]) -> dict:
             raw_size.append(o["raw_size"])
     names = ("op", "queue", "timer_key", "delay_ms", "txn", "payload", "partition", "payload_zstd",
              "encrypted", "raw_size")
-    return {name: (col if any(v is not None for v in col) else None) for name, col in zip(names, cols)}
+    params = {name: (col if any(v is not None for v in col) else None) for name, col in zip(names, cols)}
+    params["staged"] = None
+    return params
 
 
 async def schedule(request: Request) -> Response:
     principal = request.app.state.auth.require(request, WRITE_ONLY)
     settings = request.app.state.settings
-    body = await read_json(request, unicode=True)
-    ops = _parse_ops(body, settings.timers_max_ops)
+    max_ops = settings.timers_max_ops
+    body = await read_json(request, unicode=True, timers=True, member="operations", member_cap=max_ops,
+                           member_refusal=lambda cap: f"more than {cap} operations; at most {cap} per call",
+                           on_item=_decode_early, kept_cap=SMALL_BODY_BYTES, item_cap=OP_TEXT_CAP)
+    ops = _parse_ops(body, max_ops)
+    del body
+    staged = sum(len(o["payload"]) for o in ops if o["op"] != "cancel")
+    if staged > settings.timers_stage_bytes:
+        results = await _run(request, lambda conn: _schedule_staged(conn, ops, staged, principal, settings),
+                             hint=True)
+        return Response(b'{"results":' + results.encode() + b"}", media_type="application/json")
 
     async def work(conn):
         upserts = sorted({o["queue"] for o in ops if o["op"] != "cancel"})
@@ -387,6 +443,35 @@ async def schedule(request: Request) -> Response:
     # {"results": [...]}: the envelope Queen's clients read (queen-mq's
     # Timers.batch takes response["results"]); index-aligned with the ops.
     return Response(b'{"results":' + results.encode() + b"}", media_type="application/json")
+
+
+async def _schedule_staged(conn, ops: list[dict], staged: int, principal, settings) -> str:
+    """The staged form of the batch (see STAGE_SQL): one transaction, its own timeout."""
+    upserts = sorted({o["queue"] for o in ops if o["op"] != "cancel"})
+    async with conn.transaction():
+        if settings.statement_timeout_ms:
+            timeout = settings.statement_timeout_ms + math.ceil(staged / (1 << 20)) * STAGED_MS_PER_MIB
+            await conn.execute("SELECT set_config('statement_timeout', %s, true)", (str(timeout),))
+        if upserts:
+            cur = await conn.execute(ENCRYPTING_QUEUES_SQL, (principal.tenant, upserts))
+            encrypting = {r["name"] for r in await cur.fetchall()}
+            if encrypting:
+                _encrypt_ops(ops, encrypting, settings.encryption_key)
+        batch = uuid.uuid4()
+        cur = conn.cursor(row_factory=tuple_row)
+        async with cur.copy(STAGE_SQL) as copy:
+            copy.set_types(["uuid", "int4", "bytea"])
+            for n, o in enumerate(ops, 1):
+                if o["op"] != "cancel":
+                    await copy.write_row((batch, n, o["payload"]))
+                    o["payload"] = o["plain"] = None  # PostgreSQL has the bytes now
+        params = _schedule_params(ops)
+        params.update(tenant=principal.tenant, producer_sub=principal.sub, horizon_ms=settings.timers_horizon_ms,
+                      tenancy=settings.tenancy, max_ops=settings.timers_max_ops, encrypt_check=None,
+                      staged=batch)
+        await cur.execute(SCHEDULE_JSON_SQL, params)
+        _, results = await cur.fetchone()
+    return results
 
 
 # ---------------------------------------------------------------------------

@@ -111,7 +111,7 @@ def chunked(data: bytes, size: int = 8192) -> list[bytes]:
 
 @pytest.fixture
 def capped(broker_factory):
-    return broker_factory(QUEEN_MAX_BODY_BYTES=str(CAP))
+    return broker_factory(QUEEN_MAX_BODY_BYTES=str(CAP), QUEEN_LOG_MAX_BODY_BYTES=str(CAP))
 
 
 @pytest.mark.parametrize("path", BODY_ROUTES)

@@ -1,0 +1,240 @@
+"""Every legal request succeeds, and no request can exhaust the broker (issue 17).
+
+At a reduced scale (QUEEN_TIMERS_MAX_OPS=8, so the largest legal batch is
+8 payloads of 1 MiB): the worst legal batch answers 200 whatever the
+statement timeout; a body past a count or nesting limit is refused while it
+is still arriving; the budget of bodies in flight answers 503 with
+Retry-After when it is full, keeps one tenant from starving another, and is
+given back however a request ends (answered, refused, abandoned midway).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import socket
+import time
+
+import httpx
+import pytest
+
+from test_input_limits import NOTHING, assert_json_error, assert_still_healthy, read_response, written
+from timers_util import b64, op, post, token
+
+MAX_OPS = 8
+MiB = 1 << 20
+
+
+def budget_in_use(broker) -> float:
+    text = httpx.get(f"{broker.url}/metrics/prometheus", timeout=10).text
+    return float(re.search(r"^queen_timers_body_budget_in_use_bytes (\S+)$", text, re.M).group(1))
+
+
+def wait_budget_free(broker, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while budget_in_use(broker) != 0:
+        assert time.monotonic() < deadline, f"the budget still holds {budget_in_use(broker)} bytes"
+        time.sleep(0.05)
+
+
+def open_post(port: int, path: str, length: int, first: bytes, headers: str = "") -> socket.socket:
+    """A POST that announces `length` bytes and sends only `first`: it holds its weight."""
+    sock = socket.create_connection(("127.0.0.1", port), timeout=20)
+    sock.sendall((f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                  f"Content-Length: {length}\r\n{headers}\r\n").encode() + first)
+    return sock
+
+
+def full_batch(prefix: str) -> tuple[list[dict], list[bytes]]:
+    payloads = [os.urandom(MiB) for _ in range(MAX_OPS)]  # at the payload ceiling, incompressible
+    return [op("schedule", f"{prefix}{i}", queue="big", payload=b64(p)) for i, p in enumerate(payloads)], payloads
+
+
+@pytest.fixture
+def small(spawn_broker):
+    """A broker whose largest legal batch is 8 x 1 MiB; everything else at its default."""
+    return spawn_broker(QUEEN_TIMERS_MAX_OPS=str(MAX_OPS), QUEEN_BODY_WAIT_MS="300")
+
+
+# ---------------------------------------------------------------------------
+# 1. the worst legal batch succeeds
+# ---------------------------------------------------------------------------
+
+def test_the_full_legal_batch_succeeds_whatever_the_statement_timeout(spawn_broker, db):
+    # 2 ms: far below what writing 8 MiB takes; the batch is staged and its transaction's timeout scaled
+    b = spawn_broker(QUEEN_TIMERS_MAX_OPS=str(MAX_OPS), QUEEN_STATEMENT_TIMEOUT_MS="2")
+    ops, payloads = full_batch("k")
+    with b.client(timeout=120) as c:
+        r = post(c, *ops)
+    assert r.status_code == 200, r.text
+    assert [v["status"] for v in r.json()["results"]] == ["scheduled"] * MAX_OPS
+    stored = {row["timer_key"]: row["digest"] for row in db.execute(
+        "SELECT timer_key, md5(payload) AS digest FROM queen.timers WHERE queue = 'big'").fetchall()}
+    assert stored == {f"k{i}": hashlib.md5(p).hexdigest() for i, p in enumerate(payloads)}
+    assert db.execute("SELECT count(*) AS n FROM queen.staged_payloads").fetchone()["n"] == 0
+    usage = db.execute("SELECT billed_messages FROM queen.tenant_usage WHERE tenant = 'default'").fetchone()
+    assert usage["billed_messages"] == MAX_OPS
+    wait_budget_free(b)
+
+
+def test_a_staged_batch_answers_as_an_inline_one_and_is_all_or_nothing(spawn_broker, db):
+    staged = spawn_broker(QUEEN_TIMERS_MAX_OPS=str(MAX_OPS), QUEEN_TIMERS_STAGE_BYTES="0")
+    small_ops = [op("schedule", "s1"), op("schedule", "s2"), op("cancel", "absent-one")]
+    with staged.client() as c:
+        first = post(c, *small_ops)
+        again = post(c, *[op("reschedule", "s1"), op("cancel", "s2")])
+    assert [v["status"] for v in first.json()["results"]] == ["scheduled", "scheduled", "absent"]
+    assert [v["status"] for v in again.json()["results"]] == ["rescheduled", "cancelled"]
+    # one payload over the ceiling: the gate refuses the whole batch, nothing is written or left staged
+    ops, _ = full_batch("all-or-nothing")
+    ops[-1]["payload"] = b64(os.urandom(MiB + 1))
+    with staged.client(timeout=120) as c:
+        r = post(c, *ops)
+    assert_json_error(r, 413, "payload_too_large")
+    assert db.execute("SELECT count(*) AS n FROM queen.timers WHERE queue = 'big'").fetchone()["n"] == 0
+    assert db.execute("SELECT count(*) AS n FROM queen.staged_payloads").fetchone()["n"] == 0
+    wait_budget_free(staged)
+
+
+# ---------------------------------------------------------------------------
+# 2. the parse stops at the excess, while the body is still arriving
+# ---------------------------------------------------------------------------
+
+def test_more_operations_than_the_cap_are_refused_before_the_body_ends(small, db):
+    one = json.dumps(op("schedule", "x", payload=b64(b"y" * 20000))).encode()
+    head = b'{"operations": [' + b",".join([one] * (MAX_OPS + 1)) + b","
+    assert len(head) > 64 * 1024  # past the whole-body parse: the scan counts as the bytes arrive
+    start = time.monotonic()
+    with open_post(small.port, "/api/v1/timers", 10 * MiB, head) as sock:  # 9.8 MB never sent
+        status, headers, body = read_response(sock, timeout=5)
+    assert time.monotonic() - start < 2
+    assert status == 400 and headers["content-type"].startswith("application/json")
+    assert json.loads(body)["detail"] == f"more than {MAX_OPS} operations; at most {MAX_OPS} per call"
+    assert written(db) == NOTHING
+    wait_budget_free(small)
+    with small.client() as c:
+        assert_still_healthy(c, db)
+
+
+@pytest.mark.parametrize("path, head, detail", [
+    # a 360 MB array of one-character strings, cut to what the test sends
+    ("/api/v1/push", b'{"items": [' + b'"a",' * 30000, "more than 10000 JSON values"),
+    # an object with millions of keys
+    ("/api/v1/push", b'{' + b"".join(b'"k%d": 0,' % i for i in range(12000)), "more than 10000 JSON values"),
+    # nesting past the limit, after a prefix long enough to be scanned
+    ("/api/v1/push", b" " * 70000 + b"[" * 200, "nests deeper than 128 levels"),
+    # on the timer route, anything but operations is small or refused
+    ("/api/v1/timers", b'{"operations": [], "padding": "' + b"p" * 70000, "outside the elements of 'operations'"),
+], ids=["tiny-array", "many-keys", "deep", "timers-outside-operations"])
+def test_a_body_past_a_json_limit_is_refused_while_it_arrives(spawn_broker, db, path, head, detail):
+    b = spawn_broker(QUEEN_JSON_MAX_VALUES="10000", QUEEN_LOG_MAX_BODY_BYTES=str(4 * MiB))
+    start = time.monotonic()
+    with open_post(b.port, path, 4 * MiB, head) as sock:
+        status, headers, body = read_response(sock, timeout=5)
+    assert time.monotonic() - start < 2
+    assert status == 400 and headers["content-type"].startswith("application/json"), body
+    answer = json.loads(body)
+    assert answer["error"] == "timers_bad_request" and detail in answer["detail"], answer
+    assert written(db) == NOTHING
+    wait_budget_free(b)
+
+
+def test_a_small_body_counts_its_values_too(spawn_broker, db):
+    b = spawn_broker(QUEEN_JSON_MAX_VALUES="100")
+    with b.client() as c:
+        r = c.post("/api/v1/push", content=json.dumps({"items": [{"queue": "q", "payload": list(range(200))}]}))
+        assert_json_error(r, 400, "timers_bad_request")
+        assert "more than 100 JSON values" in r.json()["detail"]
+        assert c.post("/api/v1/push", json={"items": [{"queue": "q", "payload": list(range(50))}]}).status_code == 201
+
+
+# ---------------------------------------------------------------------------
+# 3. the budget: 503 with Retry-After when full, never held past a request
+# ---------------------------------------------------------------------------
+
+def test_the_budget_answers_503_with_retry_after_and_is_released_however_a_request_ends(small, db):
+    holder = hold_share(small)
+    try:
+        with small.client() as c:
+            r = post(c, op("schedule", "waits"))
+            body = assert_json_error(r, 503, "timers_unavailable")
+            assert r.headers["retry-after"] == "1" and "QUEEN_BODY_BUDGET_BYTES" in body["detail"], r.headers
+            # a request without a body is not held up
+            assert c.delete("/api/v1/timers/reminders/nothing").json()["status"] == "absent"
+            text = c.get("/metrics/prometheus").text
+            assert re.search(r"^queen_timers_body_budget_refusals_total 1\.0$", text, re.M), text
+    finally:
+        holder.close()  # the client goes away midway: what it held comes back
+    wait_budget_free(small)
+    with small.client() as c:
+        assert post(c, op("schedule", "after-disconnect")).status_code == 200
+        wait_budget_free(small)
+        # refused for its JSON, its size announced large: released
+        bad = b'{"operations": [' + b"!" * 100000
+        assert_json_error(c.post("/api/v1/timers", content=bad), 400, "timers_bad_request")
+        wait_budget_free(small)
+        # chunked, abandoned after a few chunks
+    with socket.create_connection(("127.0.0.1", small.port), timeout=20) as sock:
+        sock.sendall(b"POST /api/v1/push HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+                     + b"%x\r\n%s\r\n" % (70000, b" " * 70000))
+        deadline = time.monotonic() + 5
+        while budget_in_use(small) == 0:
+            assert time.monotonic() < deadline, "a chunked body is weighed as it arrives"
+            time.sleep(0.05)
+    wait_budget_free(small)
+    with small.client() as c:
+        assert_still_healthy(c, db)
+    wait_budget_free(small)
+
+
+def hold_share(broker, headers: str = "") -> socket.socket:
+    """A push that announces the log routes' largest body and sends 6 bytes of it: with
+    the default budget (twice the largest weight, a log body's here) it holds its tenant's
+    whole share, half the budget, until the socket closes."""
+    from queen_timers.bodies import LOG_WEIGHT
+    from queen_timers.config import Settings
+    settings = Settings.from_env({"QUEEN_DATABASE_URL": "postgresql://x", **broker.env})
+    share = settings.body_budget_bytes // 2
+    assert settings.log_max_body_bytes * LOG_WEIGHT == share
+    sock = open_post(broker.port, "/api/v1/push", settings.log_max_body_bytes, b'{"item', headers)
+    deadline = time.monotonic() + 5
+    while budget_in_use(broker) != share:
+        assert time.monotonic() < deadline, budget_in_use(broker)
+        time.sleep(0.05)
+    return sock
+
+
+def test_one_tenant_holding_its_share_never_starves_another(spawn_broker, db):
+    from timers_util import JWT_SECRET
+    b = spawn_broker(QUEEN_TIMERS_MAX_OPS=str(MAX_OPS), QUEEN_BODY_WAIT_MS="300",
+                     QUEEN_AUTH="jwt", QUEEN_JWT_SECRET=JWT_SECRET)
+    acme = "".join(f"{k}: {v}\r\n" for k, v in token("read-write", tenant="acme").items())
+    holder = hold_share(b, acme)
+    try:
+        with b.client() as c:
+            r = post(c, op("schedule", "acme-2"), headers=token("write-only", tenant="acme"))
+            assert_json_error(r, 503, "timers_unavailable")
+            # globex's largest legal batch still fits: the other half is its to use
+            ops, _ = full_batch("globex")
+            r = post(c, *ops, headers=token("write-only", tenant="globex"))
+            assert r.status_code == 200, r.text
+            assert [v["status"] for v in r.json()["results"]] == ["scheduled"] * MAX_OPS
+    finally:
+        holder.close()
+    wait_budget_free(b)
+
+
+def test_a_push_at_the_log_routes_cap_succeeds(spawn_broker, db):
+    b = spawn_broker(QUEEN_LOG_MAX_BODY_BYTES=str(2 * MiB))
+    item = {"queue": "bulk", "payload": {"blob": "z" * 2000}}
+    items = [item] * ((2 * MiB - 100) // len(json.dumps(item).encode()) - 1)
+    body = json.dumps({"items": items}).encode()
+    assert 2 * MiB - 10000 < len(body) <= 2 * MiB
+    with b.client() as c:
+        r = c.post("/api/v1/push", content=body)
+        assert r.status_code == 201, r.text
+        assert db.execute("SELECT count(*) AS n FROM queen.messages").fetchone()["n"] == len(items)
+        assert_json_error(c.post("/api/v1/push", content=body + b" " * (2 * MiB)), 413, "body_too_large")
+    wait_budget_free(b)
