@@ -19,6 +19,8 @@ import time
 import uuid
 from datetime import datetime, timezone
 
+import orjson
+
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -34,6 +36,11 @@ ACK_STATUSES = ("completed", "success", "failed", "dlq", "retry")
 DEFAULT_POP_TIMEOUT_MS = 30000
 MAX_POP_TIMEOUT_MS = 60000      # a long poll never holds a request longer than this
 MAX_BATCH = 10000
+MAX_PUSH_ITEMS = 10000          # per push: one PL/pgSQL call inserts them all (40,000 tiny items took 5 s)
+MAX_ACKS = 10000                # per ack/batch
+# a pool connection that sent a parameter this large is closed after its request:
+# libpq keeps its output buffer at the largest size it ever sent
+DISCARD_AFTER_BYTES = 1 << 20
 
 
 # ---------------------------------------------------------------------------
@@ -67,11 +74,14 @@ def _s(value) -> str | None:
     return None if value is None else str(value)
 
 
-async def _json_body(request: Request) -> dict:
-    body = await read_json(request, empty=None)
+async def _json_body(request: Request, member: str | None = None, cap: int | None = None) -> dict:
+    """The body, a JSON object. `member`: its array of at most `cap` elements, refused as
+    soon as the element past the cap arrives. No lone surrogate can be in it: the parser
+    (orjson) refuses one with a 400."""
+    body = await read_json(request, empty=None, member=member, member_cap=cap,
+                           member_refusal=(lambda n: f"more than {n} {member} per call") if member else None)
     if not isinstance(body, dict):
         raise bad_request("the body must be a JSON object")
-    check_json_unicode(body)
     return body
 
 
@@ -192,10 +202,30 @@ def _parse_push_item(item: object, where: str) -> tuple:
     trace_id = None if trace is None else _uuid(trace, f"{where}traceId")
     payload = item.get("payload", {})
     try:
+        data = orjson.dumps(payload)  # compact UTF-8, as json.dumps(separators=(",", ":"), ensure_ascii=False)
+    except TypeError:  # an integer past 64 bits: the stdlib writes it
         data = json.dumps(payload, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
-    except UnicodeEncodeError:
-        raise bad_request(f"{where}payload is not valid Unicode (a lone surrogate)") from None
     return (queue, partition, txn, trace_id, data)
+
+
+PARSE_SLICE = 500  # items parsed between two yields to the event loop
+
+
+async def _parse_push_items(items: list) -> list[tuple]:
+    """Every item parsed, the event loop given a turn every PARSE_SLICE items: a push of
+    tens of thousands of items must not hold up every other request while it is checked."""
+    parsed = []
+    for start in range(0, len(items), PARSE_SLICE):
+        if start:
+            await asyncio.sleep(0)
+        parsed.extend(_parse_push_item(item, f"items[{i}]")
+                      for i, item in enumerate(items[start:start + PARSE_SLICE], start))
+    return parsed
+
+
+def _array(values: list) -> list | None:
+    """A binary array parameter; all NULL is sent as NULL (psycopg cannot type it)."""
+    return values if any(v is not None for v in values) else None
 
 
 async def _encrypt_items(conn, settings, tenant: str, parsed: list[tuple]) -> list[tuple]:
@@ -218,11 +248,14 @@ async def _encrypt_items(conn, settings, tenant: str, parsed: list[tuple]) -> li
 async def push(request: Request) -> JSONResponse:
     principal = request.app.state.auth.require(request, READ_WRITE)
     settings = request.app.state.settings
-    body = await _json_body(request)
+    body = await _json_body(request, "items", MAX_PUSH_ITEMS)
     items = body.get("items")
     if not isinstance(items, list):
         raise bad_request("items is required (an array)")
-    parsed = [_parse_push_item(item, f"items[{i}]") for i, item in enumerate(items)]
+    if len(items) > MAX_PUSH_ITEMS:  # a small body, parsed whole
+        raise bad_request(f"more than {MAX_PUSH_ITEMS} items per call")
+    parsed = await _parse_push_items(items)
+    del body, items
     if not parsed:
         return JSONResponse([], status_code=201)
 
@@ -232,13 +265,16 @@ async def push(request: Request) -> JSONResponse:
             """SELECT * FROM queen.push_messages(
                    %s,
                    ARRAY(SELECT ROW(x.q, x.p, x.t, x.tr, x.pl, x.e)::queen.push_item
-                           FROM unnest(%s::text[], %s::text[], %s::text[], %s::uuid[], %s::bytea[], %s::boolean[])
+                           FROM unnest(%b::text[], %b::text[], %b::text[], %b::uuid[], %b::bytea[], %b::boolean[])
                                 WITH ORDINALITY AS x(q, p, t, tr, pl, e, n)
                           ORDER BY x.n),
                    %s)""",
-            (principal.tenant, [r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows],
-             [r[3] for r in rows], [r[4] for r in rows], [r[5] for r in rows], principal.sub))
+            # binary arrays: bytea in text would be hex, built and sent at twice the size
+            (principal.tenant, [r[0] for r in rows], [r[1] for r in rows], _array([r[2] for r in rows]),
+             _array([r[3] for r in rows]), [r[4] for r in rows], [r[5] for r in rows], principal.sub))
         results = await cur.fetchall()
+        if sum(len(r[4]) for r in rows) > DISCARD_AFTER_BYTES:
+            await conn.close()  # the pool replaces it (see DISCARD_AFTER_BYTES)
     out = []
     for r in results:
         if r["status"] == "queued":
@@ -360,7 +396,7 @@ async def ack(request: Request) -> JSONResponse:
 
 async def ack_batch(request: Request) -> JSONResponse:
     principal = request.app.state.auth.require(request, READ_WRITE)
-    body = await _json_body(request)
+    body = await _json_body(request, "acknowledgments", MAX_ACKS)
     group = body.get("consumerGroup")
     if group is not None and not isinstance(group, str):
         raise bad_request("consumerGroup must be a string")
@@ -368,6 +404,8 @@ async def ack_batch(request: Request) -> JSONResponse:
     items = body.get("acknowledgments")
     if not isinstance(items, list):
         raise bad_request("acknowledgments is required (an array)")
+    if len(items) > MAX_ACKS:
+        raise bad_request(f"more than {MAX_ACKS} acknowledgments per call")
     acks = [_parse_ack(a, f"acknowledgments[{i}]", group) for i, a in enumerate(items)]
     return JSONResponse(await _ack(request, principal.tenant, acks))
 
@@ -491,7 +529,7 @@ async def transaction(request: Request) -> JSONResponse:
     requiredLeases?: [...]}. One queen.execute_transaction call: all or nothing."""
     principal = request.app.state.auth.require(request, READ_WRITE)
     settings = request.app.state.settings
-    body = await _json_body(request)
+    body = await _json_body(request, "operations", MAX_TXN_OPS)
     for rider in ("kv", "timers"):
         if body.get(rider):
             raise bad_request(f"{rider} operations in a transaction are not supported by this broker; "
