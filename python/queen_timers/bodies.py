@@ -210,6 +210,9 @@ class JsonLimit(ValueError):
 
 
 _STRUCT = re.compile(rb'["\[\]{},]')
+# strings without escapes, and anything but quotes, backslashes and brackets
+_RUN = re.compile(rb'(?:"[^"\\]*"|[^"\\\[\]{}])*')
+_SIMPLE_STRING = re.compile(rb'"[^"\\]*"')
 # the rest of a string's body: stops at its closing quote, or at the end of
 # what has arrived (a trailing backslash is left for the next chunk)
 _STRING_REST = re.compile(rb'[^"\\]*(?:\\.[^"\\]*)*', re.DOTALL)
@@ -273,6 +276,24 @@ class JsonScanner:
                     self.last_key = (self.string_start, end)
                 i = end + 1
                 continue
+            if not (self.in_member and self.depth == 2):
+                # a run of values in one C call: strings without escapes, numbers, literals,
+                # commas (only the member array's commas delimit elements one by one)
+                end = _RUN.match(buf, i).end()
+                if end > i:
+                    run = bytes(buf[i:end])
+                    commas = run.count(b",")
+                    if b'"' in run:
+                        if commas:
+                            commas = _SIMPLE_STRING.sub(b"", run).count(b",")
+                        if self.depth == 1:  # the run's last string may be the next key
+                            close = i + run.rindex(b'"')
+                            self.last_key = (buf.rindex(b'"', 0, close) + 1, close)
+                    if commas:
+                        self._count(commas)
+                    i = end
+                    if i >= n:
+                        break
             m = _STRUCT.search(buf, i)
             if m is None:
                 i = n
