@@ -24,12 +24,13 @@ from harness import OUT, Cluster, Results, connect, explain_rolled_back, load_ti
 import cancel  # noqa: E402
 import drills  # noqa: E402
 import failover  # noqa: E402
+import mem  # noqa: E402
 import perf  # noqa: E402
 import retention  # noqa: E402
 import scale  # noqa: E402
 import schedule  # noqa: E402
 
-SECTIONS = ("fire", "scale", "schedule", "lag", "lag2", "growth", "profile", "retention", "cancel", "rss", "kill",
+SECTIONS = ("fire", "scale", "schedule", "lag", "lag2", "growth", "profile", "retention", "cancel", "mem", "rss", "kill",
             "pgrestart", "pool", "failover")
 
 
@@ -229,6 +230,10 @@ def main() -> int:
     ap.add_argument("--cancel-load-variant", action="append", default=[], metavar="PARSER:LOOP",
                     help="also DELETE through a second broker with this HTTP parser (h11, httptools) and event "
                          "loop (asyncio, uvloop), windows alternating (bench/broker_variant.py); repeatable")
+    ap.add_argument("--mem-clients", type=int, default=8, help="mem: clients per kind of worst request, at once")
+    ap.add_argument("--mem-size-mb", type=int, default=360, help="mem: size of the hostile bodies (MB)")
+    ap.add_argument("--mem-delete-rate", type=float, default=200, help="mem: the other tenant's DELETEs per second")
+    ap.add_argument("--mem-settle-s", type=float, default=30, help="mem: RSS read this long after the flood")
     ap.add_argument("--fsync", default="on", choices=("on", "off"))
     args = ap.parse_args()
     if args.quick:
@@ -237,6 +242,7 @@ def main() -> int:
         args.rss_n, args.rss_zstd_n = 50000, 20
         args.lag_seconds, args.growth_sizes, args.growth_batch, args.growth_lag_seconds = 5, "10000", 2000, 3
         args.kills, args.pg_restart_seconds, args.pool_clients = 5, 9, 16
+        args.mem_clients, args.mem_size_mb, args.mem_settle_s = 2, 40, 5
         args.failover_seconds = 10
         args.retention_n, args.retention_backlog = 5000, 100000
         args.cancel_n, args.cancel_http_n, args.cancel_load_seconds = 1000, 500, 5
@@ -297,6 +303,8 @@ def main() -> int:
         if broker:
             broker.stop()
             broker = None
+        section("mem", mem.bench_mem, url, res, args.mem_clients, args.mem_size_mb, args.mem_delete_rate,
+                args.mem_settle_s)
         section("rss", scale.bench_rss, cluster, url, res, args.rss_n, args.rss_zstd_n, args.rss_zstd_bytes,
                 **({"QUEEN_SWEEPER_BATCH_BYTES": args.rss_batch_bytes} if args.rss_batch_bytes else {}))
         section("kill", drills.drill_kill, cluster, res, args.kills)
