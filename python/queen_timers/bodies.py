@@ -474,17 +474,24 @@ async def _stream(request: Request, consume: Callable[[bytes], None], *, timers:
             deadline = await budget.take(request.scope, tenant, length * weight)
             held = length
     seen = 0
-    async for chunk in request.stream():
-        if not chunk:
-            continue
-        seen += len(chunk)
-        if seen > cap:
-            raise body_too_large(cap, variable=variable)
-        if seen > held:  # chunked (or a body longer than announced: uvicorn refuses that)
-            step = min(max(CHUNKED_STEP_BYTES, seen - held), cap - held)
-            deadline = await budget.take(request.scope, tenant, step * weight, deadline)
-            held += step
-        consume(chunk)
+    try:
+        # a body trickled in (or never finished) must not hold its weight for ever
+        async with asyncio.timeout(settings.body_timeout_ms / 1000):
+            async for chunk in request.stream():
+                if not chunk:
+                    continue
+                seen += len(chunk)
+                if seen > cap:
+                    raise body_too_large(cap, variable=variable)
+                if seen > held:  # chunked (or a body longer than announced: uvicorn refuses that)
+                    step = min(max(CHUNKED_STEP_BYTES, seen - held), cap - held)
+                    deadline = await budget.take(request.scope, tenant, step * weight, deadline)
+                    held += step
+                consume(chunk)
+    except TimeoutError:
+        raise ApiError(408, "request_timeout",
+                       f"the body did not arrive within {settings.body_timeout_ms} ms (QUEEN_BODY_TIMEOUT_MS); "
+                       f"{seen} bytes had", {"Connection": "close"}) from None
     return seen
 
 

@@ -94,6 +94,7 @@ class Settings:
     log_max_body_bytes: int = 8 * 1024 * 1024
     body_budget_bytes: int = 0  # from_env: twice the largest legal weight
     body_wait_ms: int = 5000
+    body_timeout_ms: int = 120000
     json_max_values: int = 1_000_000
     timers_stage_bytes: int = 4 * 1024 * 1024
     # security and tenancy
@@ -140,6 +141,7 @@ class Settings:
             body_budget_bytes=_int(env, "QUEEN_BODY_BUDGET_BYTES",
                                    2 * max(max_body * TIMERS_WEIGHT, log_max * LOG_WEIGHT), 1),
             body_wait_ms=_int(env, "QUEEN_BODY_WAIT_MS", 5000, 0),
+            body_timeout_ms=_int(env, "QUEEN_BODY_TIMEOUT_MS", 120000, 1),
             json_max_values=_int(env, "QUEEN_JSON_MAX_VALUES", 1_000_000, 1),
             timers_stage_bytes=_int(env, "QUEEN_TIMERS_STAGE_BYTES", 4 * 1024 * 1024, 0),
             encryption_key=_key(env),

@@ -322,6 +322,8 @@ BODY_TOO_LARGE = _error("the request body is over its cap (QUEEN_MAX_BODY_BYTES 
                         "bytes streamed so far; nothing is written", ["body_too_large"])
 BODY_BUSY = _error("the broker's budget for request bodies in flight (QUEEN_BODY_BUDGET_BYTES) had no room "
                    "within QUEEN_BODY_WAIT_MS; retry after Retry-After", ["timers_unavailable"], RETRY_AFTER)
+BODY_TIMEOUT = _error("the body did not arrive within QUEEN_BODY_TIMEOUT_MS (120 s by default); the "
+                      "connection is closed", ["request_timeout"])
 JSON_LIMITS = _error("not JSON, or past a JSON limit (nesting 128, QUEEN_JSON_MAX_VALUES values, an "
                      "array's element cap); refused as soon as the parser reaches it", ["timers_bad_request"])
 INTERNAL_ERROR = _error("a bug: the broker log has the traceback; nothing is promised written or not",
@@ -338,6 +340,7 @@ def _add_common_responses(paths: dict) -> None:
                 responses.setdefault("413", copy.deepcopy(BODY_TOO_LARGE))
                 responses.setdefault("400", copy.deepcopy(JSON_LIMITS))
                 responses.setdefault("503", copy.deepcopy(BODY_BUSY))
+                responses.setdefault("408", copy.deepcopy(BODY_TIMEOUT))
             responses.setdefault("500", copy.deepcopy(INTERNAL_ERROR))
 
 

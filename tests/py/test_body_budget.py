@@ -238,3 +238,16 @@ def test_a_push_at_the_log_routes_cap_succeeds(spawn_broker, db):
         assert db.execute("SELECT count(*) AS n FROM queen.messages").fetchone()["n"] == len(items)
         assert_json_error(c.post("/api/v1/push", content=body + b" " * (2 * MiB)), 413, "body_too_large")
     wait_budget_free(b)
+
+
+def test_a_body_that_never_finishes_is_refused_after_the_body_timeout_and_gives_its_weight_back(spawn_broker, db):
+    b = spawn_broker(QUEEN_BODY_TIMEOUT_MS="1000")
+    start = time.monotonic()
+    with open_post(b.port, "/api/v1/push", 100_000, b'{"items": [') as sock:
+        assert budget_in_use(b) > 0
+        status, headers, body = read_response(sock, timeout=10)
+    assert 0.9 < time.monotonic() - start < 5
+    assert status == 408 and headers["content-type"].startswith("application/json")
+    assert json.loads(body)["error"] == "request_timeout"
+    wait_budget_free(b)
+    assert written(db) == NOTHING

@@ -41,7 +41,7 @@ def _slugs(response: dict) -> set[str]:
 def test_timer_routes_document_every_status_and_slug(client, db):
     paths = client.get("/openapi.json").json()["paths"]
     post = paths["/api/v1/timers"]["post"]["responses"]
-    assert set(post) == {"200", "400", "401", "403", "413", "429", "500", "503"}
+    assert set(post) == {"200", "400", "401", "403", "408", "413", "429", "500", "503"}
     # the answer is the object envelope {"results": [...]} Queen's clients read
     ok = post["200"]["content"]["application/json"]["schema"]
     assert ok == {"$ref": "#/components/schemas/ScheduleResult"}
@@ -54,6 +54,7 @@ def test_timer_routes_document_every_status_and_slug(client, db):
     assert _slugs(post["429"]) == {"rate_limited"}
     assert _slugs(post["503"]) == {"timers_disabled", "timers_unavailable"}
     assert _slugs(post["400"]) == {"timers_bad_request"}
+    assert _slugs(post["408"]) == {"request_timeout"}
     assert "Retry-After" in post["429"]["headers"] and "Retry-After" in post["503"]["headers"]
     for code in ("403", "413", "429", "503"):
         assert "x-queen-timers-hint" in post[code]["headers"]
