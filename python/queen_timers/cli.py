@@ -239,7 +239,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     # httptools (llhttp, C) and uvloop: the request path's parsing and event loop in C
     # (bench/RESULTS.md, "Cancel (issue 12)"); server.py keeps the JSON 400 and the 16 KiB head limit
     uvicorn.run(create_app(settings), host=settings.host, port=settings.port,
-                log_level="warning", access_log=False, http=JsonErrorHttpToolsProtocol, loop="uvloop")
+                log_level="warning", access_log=False, loop="uvloop",
+                http=JsonErrorHttpToolsProtocol.with_head_timeout(settings.head_timeout_ms / 1000),
+                limit_concurrency=settings.max_connections)
     return EXIT_OK
 
 

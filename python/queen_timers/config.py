@@ -95,6 +95,9 @@ class Settings:
     body_budget_bytes: int = 0  # from_env: twice the largest legal weight
     body_wait_ms: int = 5000
     body_timeout_ms: int = 120000
+    # connections (server.py): the request head's deadline, and connections or requests at once
+    head_timeout_ms: int = 10000
+    max_connections: int = 1000
     json_max_values: int = 1_000_000
     timers_stage_bytes: int = 4 * 1024 * 1024
     # security and tenancy
@@ -142,6 +145,8 @@ class Settings:
                                    2 * max(max_body * TIMERS_WEIGHT, log_max * LOG_WEIGHT), 1),
             body_wait_ms=_int(env, "QUEEN_BODY_WAIT_MS", 5000, 0),
             body_timeout_ms=_int(env, "QUEEN_BODY_TIMEOUT_MS", 120000, 1),
+            head_timeout_ms=_int(env, "QUEEN_HEAD_TIMEOUT_MS", 10000, 1),
+            max_connections=_int(env, "QUEEN_MAX_CONNECTIONS", 1000, 1),
             json_max_values=_int(env, "QUEEN_JSON_MAX_VALUES", 1_000_000, 1),
             timers_stage_bytes=_int(env, "QUEEN_TIMERS_STAGE_BYTES", 4 * 1024 * 1024, 0),
             encryption_key=_key(env),

@@ -12,13 +12,23 @@ plus headers) over MAX_HEAD_BYTES, the limit h11 applies by default, so that
 a client can neither make the broker buffer an unbounded head nor see a
 different limit than before. JsonErrorH11Protocol is the pure-Python h11
 equivalent (uvicorn's default parser), kept for the tests that compare them.
+
+Two more bounds that no client can lift: a request head must have arrived
+within head_timeout_s of the connection (or of the request's first byte),
+else 408 request_timeout and the connection is closed (uvicorn waits for a
+head for ever: a client trickling one byte at a time held its connection);
+and past QUEEN_MAX_CONNECTIONS connections or requests at once, uvicorn's
+limit_concurrency answers 503 timers_unavailable in JSON (its own answer is
+plain text).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import h11
+from uvicorn.protocols.http import h11_impl, httptools_impl
 from uvicorn.protocols.http.h11_impl import H11Protocol
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
@@ -31,23 +41,78 @@ BAD_REQUEST_BODY = json.dumps({
 }).encode()
 
 
+HEAD_TIMEOUT_BODY = json.dumps({
+    "error": "request_timeout",
+    "detail": "the request line and headers did not arrive in time (QUEEN_HEAD_TIMEOUT_MS)",
+}).encode()
+BUSY_BODY = json.dumps({
+    "error": "timers_unavailable",
+    "detail": "the broker is serving QUEEN_MAX_CONNECTIONS connections or requests at once; retry",
+}).encode()
+
+
+async def json_service_unavailable(scope, receive, send) -> None:
+    """uvicorn's answer past limit_concurrency, in the documented JSON shape."""
+    await send({"type": "http.response.start", "status": 503,
+                "headers": [(b"content-type", b"application/json"),
+                            (b"content-length", str(len(BUSY_BODY)).encode()),
+                            (b"retry-after", b"1"), (b"connection", b"close")]})
+    await send({"type": "http.response.body", "body": BUSY_BODY, "more_body": False})
+
+
+# uvicorn looks the function up in its protocol modules when the limit is passed
+httptools_impl.service_unavailable = json_service_unavailable
+h11_impl.service_unavailable = json_service_unavailable
+
+
 class HeadTooLarge(Exception):
     """Raised from a parser callback: llhttp stops and raises HttpParserCallbackError."""
 
 
 class JsonErrorHttpToolsProtocol(HttpToolsProtocol):
+    head_timeout_s = 10.0  # with_head_timeout() makes a class with the broker's setting
     _head_bytes = 0
     _head_open = False  # a request has begun and its headers are not complete
     _raw_head = 0       # bytes received while a head stayed open
+    _head_timer: asyncio.TimerHandle | None = None
+
+    @classmethod
+    def with_head_timeout(cls, seconds: float) -> type["JsonErrorHttpToolsProtocol"]:
+        return type(cls.__name__, (cls,), {"head_timeout_s": seconds})
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        self._start_head_timer()  # a connection that never sends a head is closed too
+
+    def connection_lost(self, exc) -> None:
+        self._stop_head_timer()
+        super().connection_lost(exc)
+
+    def _start_head_timer(self) -> None:
+        if self._head_timer is None:
+            self._head_timer = self.loop.call_later(self.head_timeout_s, self._head_timed_out)
+
+    def _stop_head_timer(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+
+    def _head_timed_out(self) -> None:
+        self._head_timer = None
+        if self.transport.is_closing() or (self.cycle is not None and not self._head_open):
+            return  # a request is being served: its own bounds apply
+        self._send_json(b"408 Request Timeout", HEAD_TIMEOUT_BODY)
 
     def on_message_begin(self) -> None:
         self._head_bytes = 0
         self._head_open = True
         self._raw_head = 0
+        self._start_head_timer()
         super().on_message_begin()
 
     def on_headers_complete(self) -> None:
         self._head_open = False
+        self._stop_head_timer()
         super().on_headers_complete()
 
     def data_received(self, data: bytes) -> None:
@@ -73,15 +138,18 @@ class JsonErrorHttpToolsProtocol(HttpToolsProtocol):
         super().on_header(name, value)
 
     def send_400_response(self, msg: str) -> None:  # overrides uvicorn's text/plain answer
+        self._send_json(b"400 Bad Request", BAD_REQUEST_BODY)
+
+    def _send_json(self, status: bytes, body: bytes) -> None:
         if self.transport.is_closing():
             return
         self.transport.write(b"".join([
-            b"HTTP/1.1 400 Bad Request\r\n",
+            b"HTTP/1.1 " + status + b"\r\n",
             *(name + b": " + value + b"\r\n" for name, value in self.server_state.default_headers),
             b"content-type: application/json\r\n",
-            b"content-length: " + str(len(BAD_REQUEST_BODY)).encode() + b"\r\n",
+            b"content-length: " + str(len(body)).encode() + b"\r\n",
             b"connection: close\r\n\r\n",
-            BAD_REQUEST_BODY,
+            body,
         ]))
         self.transport.close()
 

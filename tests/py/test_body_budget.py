@@ -251,3 +251,46 @@ def test_a_body_that_never_finishes_is_refused_after_the_body_timeout_and_gives_
     assert json.loads(body)["error"] == "request_timeout"
     wait_budget_free(b)
     assert written(db) == NOTHING
+
+
+# ---------------------------------------------------------------------------
+# connections: a head that never completes, and more connections than allowed
+# ---------------------------------------------------------------------------
+
+def test_a_request_head_that_never_completes_is_408_and_closed(spawn_broker, db):
+    b = spawn_broker(QUEEN_HEAD_TIMEOUT_MS="700")
+    # a head trickled in (the slowloris), and a connection that sends nothing at all
+    trickle = socket.create_connection(("127.0.0.1", b.port), timeout=10)
+    silent = socket.create_connection(("127.0.0.1", b.port), timeout=10)
+    start = time.monotonic()
+    try:
+        for part in (b"POST /api/v1/timers HTTP/1.1\r\n", b"Host: x\r\n", b"X-Slow: 1\r\n"):
+            trickle.sendall(part)
+            time.sleep(0.2)
+        status, headers, body = read_response(trickle, timeout=5)
+        assert status == 408 and headers["content-type"] == "application/json", body
+        assert json.loads(body)["error"] == "request_timeout"
+        assert 0.6 < time.monotonic() - start < 3
+        assert silent.recv(65536).startswith(b"HTTP/1.1 408 ")
+    finally:
+        trickle.close()
+        silent.close()
+    with b.client() as c:  # a head that arrives in time is served as ever
+        assert_still_healthy(c, db)
+
+
+def test_past_the_connection_limit_the_answer_is_a_json_503_with_retry_after(spawn_broker, db):
+    b = spawn_broker(QUEEN_MAX_CONNECTIONS="3")
+    held = [socket.create_connection(("127.0.0.1", b.port), timeout=10) for _ in range(3)]
+    try:
+        time.sleep(0.2)
+        r = httpx.get(f"{b.url}/api/v1/timers/reminders", timeout=10)
+        assert_json_error(r, 503, "timers_unavailable")
+        assert r.headers["retry-after"] == "1"
+    finally:
+        for sock in held:
+            sock.close()
+    deadline = time.monotonic() + 5
+    while httpx.get(f"{b.url}/health", timeout=10).status_code != 200:
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
