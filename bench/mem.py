@@ -9,6 +9,7 @@ Kinds, each sent by 8 clients at once (tenant `flood`):
   keys     an object with millions of keys, ~360 MB (refused)
   deep     legal nesting (127 levels), repeated to ~360 MB (refused: too many values)
   push     the largest legal push (QUEEN_LOG_MAX_BODY_BYTES of 2 KB messages): 201
+  pop      what the pushes left, by batches of 10,000 (QUEEN_POP_MAX_BYTES bounds each)
 Meanwhile tenant `quiet` sends DELETEs at --mem-delete-rate/s on its own connection.
 
 Printed: the broker's idle RSS, its peak RSS per kind (VmHWM, reset before each
@@ -38,7 +39,7 @@ MB = 1_000_000
 TARGET_PEAK_MB = 1500
 TARGET_BACK_MB = 200
 TARGET_DELETE_P99_S = 0.050
-DOCUMENTED = {(200, None), (201, None), (400, "timers_bad_request"), (413, "body_too_large"),
+DOCUMENTED = {(200, None), (201, None), (204, None), (400, "timers_bad_request"), (413, "body_too_large"),
               (413, "payload_too_large"), (503, "timers_unavailable")}
 
 
@@ -99,6 +100,20 @@ def push_body(cap: int) -> bytes:
 # ---------------------------------------------------------------------------
 # a raw HTTP/1.1 POST that notices an early answer
 # ---------------------------------------------------------------------------
+
+def raw_get(port: int, path: str, token: str, timeout: float = 300) -> dict:
+    import httpx
+    t0 = time.monotonic()
+    r = httpx.get(f"http://127.0.0.1:{port}{path}", headers={"Authorization": token}, timeout=timeout)
+    out = {"sent": 0, "t": time.monotonic() - t0, "status": r.status_code, "error": None,
+           "json": r.status_code == 204 or r.headers.get("content-type", "").startswith("application/json"),
+           "retry_after": r.headers.get("retry-after")}
+    if r.status_code >= 400:
+        out.update(slug=r.json().get("error"), detail=r.json().get("detail"))
+    elif r.status_code == 200:
+        out["messages"] = len(r.json()["messages"])
+    return out
+
 
 def raw_post(port: int, path: str, token: str, body: bytes, timeout: float = 300) -> dict:
     sock = socket.create_connection(("127.0.0.1", port), timeout=timeout)
@@ -239,7 +254,8 @@ def send_kind(port: int, path: str, bodies: list[bytes], retry_503_until: float 
         tries = 0
         while True:
             tries += 1
-            r = raw_post(port, path, bearer("flood"), bodies[k])
+            r = (raw_post(port, path, bearer("flood"), bodies[k]) if bodies[k]
+                 else raw_get(port, path, bearer("flood")))
             if r.get("status") == 503 and retry_503_until is not None and time.monotonic() < retry_503_until:
                 time.sleep(float(r.get("retry_after") or 1))
                 continue
@@ -289,6 +305,8 @@ def bench_mem(url: str, res, clients: int, size_mb: int, delete_rate: float, set
             ("deep-log", "/api/v1/push",
              lambda: [in_push(hostile_body("deep", settings.log_max_body_bytes - 64))] * clients, False),
             ("push", "/api/v1/push", lambda: [push_body(settings.log_max_body_bytes)] * clients, True),
+            # what the pushes left, popped by batches of 10,000 (QUEEN_POP_MAX_BYTES bounds each)
+            ("pop", "/api/v1/pop/queue/flood-log?batch=10000&autoAck=true", lambda: [b""] * clients, True),
         ]
         time.sleep(2)
         idle = rss_mb(pid)
@@ -312,7 +330,7 @@ def bench_mem(url: str, res, clients: int, size_mb: int, delete_rate: float, set
                     key = f"{r.get('status')} {r.get('slug') or ''}".strip() if r.get("status") else r.get("error")
                     tally[key] = tally.get(key, 0) + 1
                 ok = all(documented(r) for r in answers) and (
-                    not legal or all(r.get("status") in (200, 201) for r in answers))
+                    not legal or all(r.get("status") in (200, 201, 204) for r in answers))
                 all_ok &= ok
                 refusal_t = [r["t"] for r in answers if r.get("status") == 400 and r.get("t") is not None]
                 tries = sum(r.get("tries", 1) for r in answers)
@@ -322,6 +340,9 @@ def bench_mem(url: str, res, clients: int, size_mb: int, delete_rate: float, set
                     + (f"; refused after {min(refusal_t):.2f}-{max(refusal_t):.2f} s, "
                        f"{max(r['sent'] for r in answers) / MB:.1f} MB sent at most" if refusal_t else "")
                     + ("" if ok else "  <-- NOT every answer documented/legal"))
+                popped = [r["messages"] for r in answers if r.get("messages")]
+                if popped:
+                    log(f"        messages per pop: {popped}")
                 details = {r.get("detail") for r in answers if r.get("detail")}
                 for d in sorted(details)[:2]:
                     log(f"        e.g. {d[:150]}")

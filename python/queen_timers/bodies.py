@@ -58,6 +58,11 @@ SMALL_BODY_BYTES = 64 * 1024
 # the log routes' caps on values and items bound that part.
 TIMERS_WEIGHT = 1
 LOG_WEIGHT = 16
+# A pop's answer (no body) holds each payload about 4 times: the bytes, their
+# base64, the parsed JSON `data`, the encoded answer; more for JSON of many
+# small values. It is weighed by QUEEN_POP_MAX_BYTES while it fetches, then by
+# what it fetched.
+POP_WEIGHT = 8
 # A chunked body (no Content-Length) is weighed in steps of this much.
 CHUNKED_STEP_BYTES = 1 << 20
 
@@ -126,6 +131,24 @@ class BodyBudget:
         scope.setdefault(HELD_KEY, []).append((tenant, n))
         return deadline
 
+    def resize_last(self, scope: dict, n: int) -> None:
+        """Shrink (or drop, n=0) what this request took last: a pop holds its estimate
+        while it fetches, then what it actually holds."""
+        held = scope.get(HELD_KEY)
+        tenant, had = held[-1]
+        n = min(n, had)
+        self.used -= had - n
+        left = self.by_tenant[tenant] - (had - n)
+        if left:
+            self.by_tenant[tenant] = left
+        else:
+            del self.by_tenant[tenant]
+        if n:
+            held[-1] = (tenant, n)
+        else:
+            held.pop()
+        self._wake()
+
     def release(self, scope: dict) -> int:
         """Give back everything the request holds; wake the waiters to try again."""
         held = scope.pop(HELD_KEY, None)
@@ -140,11 +163,14 @@ class BodyBudget:
             else:
                 del self.by_tenant[tenant]
             freed += n
+        self._wake()
+        return freed
+
+    def _wake(self) -> None:
         waiters, self._waiters = self._waiters, []
         for waiter in waiters:
             if not waiter.done():
                 waiter.set_result(None)
-        return freed
 
 
 def busy(detail: str) -> ApiError:

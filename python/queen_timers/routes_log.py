@@ -27,7 +27,7 @@ from starlette.routing import Route
 
 from . import convertors, payloads  # noqa: F401 (convertors: registers {x:anypath})
 from .auth import READ_ONLY, READ_WRITE
-from .bodies import read_json
+from .bodies import PAYLOAD_CEILING_BYTES, POP_WEIGHT, read_json
 from .errors import ApiError, bad_request, check_json_unicode, check_text, from_exception
 from .limits import check_name
 
@@ -307,11 +307,20 @@ async def pop(request: Request) -> Response:
 
     deadline = time.monotonic() + timeout_ms / 1000
     sleep = 0.05
+    budget = request.app.state.body_budget
+    # what the answer may hold, weighed before the fetch (nothing is leased yet if
+    # the budget has no room): the bytes bound, or batch messages of the largest size
+    estimate = POP_WEIGHT * min(settings.pop_max_bytes,
+                                batch * max(settings.log_max_body_bytes, 2 * PAYLOAD_CEILING_BYTES))
     while True:
+        await budget.take(request.scope, principal.tenant, estimate)
         async with _conn(request) as conn:
-            cur = await conn.execute("SELECT * FROM queen.pop_messages(%s, %s, %s, %s, %s, %s)",
-                                     (principal.tenant, queue, partition, group, batch, auto_ack))
+            cur = await conn.execute("SELECT * FROM queen.pop_messages(%s, %s, %s, %s, %s, %s, p_max_bytes => %s)",
+                                     (principal.tenant, queue, partition, group, batch, auto_ack,
+                                      settings.pop_max_bytes))
             rows = await cur.fetchall()
+        # from here on the answer weighs what it holds (a long poll's sleep weighs nothing)
+        budget.resize_last(request.scope, POP_WEIGHT * sum(len(r["payload"]) for r in rows))
         remaining = deadline - time.monotonic()
         if rows or not wait or remaining <= 0:
             break

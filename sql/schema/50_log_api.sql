@@ -373,6 +373,10 @@ $$;
 -- recently served first.
 -- Partitions whose lease is unexpired, or whose consumer row another pop
 -- holds (SKIP LOCKED), are passed over. p_auto_ack moves the cursor now.
+-- p_max_bytes bounds the batch by its stored payload bytes: it ends at
+-- the message whose predecessors' bytes reach it (the first is always
+-- handed out), so what a pop makes the broker hold is its setting
+-- (QUEEN_POP_MAX_BYTES), not batch x the largest message.
 CREATE FUNCTION queen.pop_messages(
     p_tenant         text,
     p_queue          text,
@@ -380,7 +384,8 @@ CREATE FUNCTION queen.pop_messages(
     p_consumer_group text        DEFAULT '__QUEUE_MODE__',
     p_batch          integer     DEFAULT 1,
     p_auto_ack       boolean     DEFAULT false,
-    p_now            timestamptz DEFAULT NULL)
+    p_now            timestamptz DEFAULT NULL,
+    p_max_bytes      bigint      DEFAULT NULL)
 RETURNS SETOF queen.popped_message
 LANGUAGE plpgsql AS $$
 DECLARE
@@ -431,12 +436,16 @@ BEGIN
         CONTINUE WHEN NOT FOUND;
         CONTINUE WHEN pc.lease_expires_at IS NOT NULL AND pc.lease_expires_at > v_now;
 
+        -- octet_length of a TOASTed payload reads its header, not its bytes
         SELECT s.xid, s.seq, s.n INTO v_lxid, v_lseq, v_n
-          FROM (SELECT m.xid, m.seq, row_number() OVER (ORDER BY m.xid, m.seq) AS n
+          FROM (SELECT m.xid, m.seq, row_number() OVER w AS n,
+                       sum(octet_length(m.payload)) OVER w - octet_length(m.payload) AS bytes_before
                   FROM queen.messages m
                  WHERE m.partition_id = c.id AND m.xid < v_horizon
                    AND (m.xid, m.seq) > (pc.last_consumed_xid, pc.last_consumed_seq)
+                WINDOW w AS (ORDER BY m.xid, m.seq)
                  ORDER BY m.xid, m.seq LIMIT v_batch) s
+         WHERE p_max_bytes IS NULL OR s.bytes_before < p_max_bytes
          ORDER BY s.n DESC LIMIT 1;
         CONTINUE WHEN NOT FOUND;
 

@@ -15,4 +15,5 @@ INSERT INTO queen.schema_migrations (version, name) VALUES
     (10, 'schedule_path'),
     (11, 'fire_no_subxact'),
     (12, 'resume_wakes'),
-    (13, 'staged_payloads');
+    (13, 'staged_payloads'),
+    (14, 'pop_bytes');

@@ -294,3 +294,24 @@ def test_past_the_connection_limit_the_answer_is_a_json_503_with_retry_after(spa
     while httpx.get(f"{b.url}/health", timeout=10).status_code != 200:
         assert time.monotonic() < deadline
         time.sleep(0.1)
+
+
+# ---------------------------------------------------------------------------
+# a pop's answer: bounded by bytes, weighed while it is built
+# ---------------------------------------------------------------------------
+
+def test_a_pop_hands_out_at_most_its_bytes_bound_whatever_the_batch(spawn_broker, db):
+    b = spawn_broker(QUEEN_POP_MAX_BYTES="50000")
+    with b.client() as c:
+        blob = "z" * 19990  # stored as the JSON string: 19,992 bytes
+        r = c.post("/api/v1/push", json={"items": [{"queue": "fat", "payload": blob} for _ in range(10)]})
+        assert r.status_code == 201, r.text
+        first = c.get("/api/v1/pop/queue/fat", params={"batch": 10000})
+        assert first.status_code == 200, first.text
+        assert len(first.json()["messages"]) == 3  # 0, 19,992 and 39,984 bytes before each: under 50,000
+        wait_budget_free(b)
+        rest = c.get("/api/v1/pop/queue/fat", params={"batch": 10000, "autoAck": "true"})
+        assert rest.status_code == 204  # the partition is leased by the first pop
+        # a long poll that finds nothing holds no weight while it waits
+        assert c.get("/api/v1/pop/queue/empty", params={"wait": "true", "timeout": 300}).status_code == 204
+        wait_budget_free(b)
