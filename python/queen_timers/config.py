@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import psycopg
 from psycopg.conninfo import conninfo_to_dict
 
-from .bodies import LOG_WEIGHT, POP_WEIGHT, TIMERS_WEIGHT, default_max_body_bytes
+from .bodies import LOG_WEIGHT, POP_MESSAGE_WEIGHT, POP_WEIGHT, TIMERS_WEIGHT, default_max_body_bytes
 
 
 class ConfigError(ValueError):
@@ -145,7 +145,8 @@ class Settings:
             log_max_body_bytes=(log_max := _int(env, "QUEEN_LOG_MAX_BODY_BYTES", 8 * 1024 * 1024, 1)),
             body_budget_bytes=_int(env, "QUEEN_BODY_BUDGET_BYTES",
                                    2 * max(max_body * TIMERS_WEIGHT, log_max * LOG_WEIGHT,
-                                           _int(env, "QUEEN_POP_MAX_BYTES", 16 * 1024 * 1024, 1) * POP_WEIGHT), 1),
+                                           _int(env, "QUEEN_POP_MAX_BYTES", 16 * 1024 * 1024, 1) * POP_WEIGHT
+                                           + 10000 * POP_MESSAGE_WEIGHT), 1),
             body_wait_ms=_int(env, "QUEEN_BODY_WAIT_MS", 5000, 0),
             body_timeout_ms=_int(env, "QUEEN_BODY_TIMEOUT_MS", 120000, 1),
             head_timeout_ms=_int(env, "QUEEN_HEAD_TIMEOUT_MS", 10000, 1),
@@ -167,12 +168,12 @@ class Settings:
             connect_timeout_s=_int(env, "QUEEN_CONNECT_TIMEOUT_S", 5, 2),
         )
         largest = max(settings.max_body_bytes * TIMERS_WEIGHT, settings.log_max_body_bytes * LOG_WEIGHT,
-                      settings.pop_max_bytes * POP_WEIGHT)
+                      settings.pop_max_bytes * POP_WEIGHT + 10000 * POP_MESSAGE_WEIGHT)
         if settings.body_budget_bytes // 2 < largest:
             # a tenant may hold half the budget: the largest legal request must fit in that half
             raise ConfigError(f"QUEEN_BODY_BUDGET_BYTES must be at least {2 * largest} (twice the weight of the "
                               f"largest legal request: QUEEN_MAX_BODY_BYTES x{TIMERS_WEIGHT}, "
-                              f"QUEEN_LOG_MAX_BODY_BYTES x{LOG_WEIGHT}, QUEEN_POP_MAX_BYTES x{POP_WEIGHT}), "
+                              f"QUEEN_LOG_MAX_BODY_BYTES x{LOG_WEIGHT}, QUEEN_POP_MAX_BYTES x{POP_WEIGHT} + 10,000 messages), "
                               f"got {settings.body_budget_bytes}")
         if settings.retention_batch > 100000:
             raise ConfigError(f"QUEEN_RETENTION_BATCH must be <= 100000, got {settings.retention_batch}")
