@@ -55,7 +55,8 @@ def full_batch(prefix: str) -> tuple[list[dict], list[bytes]]:
 @pytest.fixture
 def small(spawn_broker):
     """A broker whose largest legal batch is 8 x 1 MiB; everything else at its default."""
-    return spawn_broker(QUEEN_TIMERS_MAX_OPS=str(MAX_OPS), QUEEN_BODY_WAIT_MS="300")
+    # a pop's bound small, so that the heaviest legal request is a log body (hold_share)
+    return spawn_broker(QUEEN_TIMERS_MAX_OPS=str(MAX_OPS), QUEEN_BODY_WAIT_MS="300", QUEEN_POP_MAX_BYTES="1000000")
 
 
 # ---------------------------------------------------------------------------
@@ -208,7 +209,7 @@ def hold_share(broker, headers: str = "") -> socket.socket:
 
 def test_one_tenant_holding_its_share_never_starves_another(spawn_broker, db):
     from timers_util import JWT_SECRET
-    b = spawn_broker(QUEEN_TIMERS_MAX_OPS=str(MAX_OPS), QUEEN_BODY_WAIT_MS="300",
+    b = spawn_broker(QUEEN_TIMERS_MAX_OPS=str(MAX_OPS), QUEEN_BODY_WAIT_MS="300", QUEEN_POP_MAX_BYTES="1000000",
                      QUEEN_AUTH="jwt", QUEEN_JWT_SECRET=JWT_SECRET)
     acme = "".join(f"{k}: {v}\r\n" for k, v in token("read-write", tenant="acme").items())
     holder = hold_share(b, acme)
