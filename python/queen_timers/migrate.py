@@ -1,7 +1,8 @@
 """Apply sql/migrations/NNN_name.sql in order, each once, each in its own transaction.
 
-Safe to run from several brokers at once: an advisory lock serialises
-them and applied versions are recorded in queen.schema_migrations.
+Safe to run from several brokers at once, directly or through a transaction
+pooler: each migration's transaction takes an advisory lock, and applied
+versions are recorded in queen.schema_migrations.
 Refuses to start when the database holds a version this code does not know,
 or when a migration file changed after it was applied (its sha256 is kept).
 status() reads what is applied without changing anything; check() says
@@ -26,7 +27,7 @@ from .config import Settings
 from .db import SQL_DIR
 
 _NAME = re.compile(r"^(\d{3})_([a-z0-9_]+)\.sql$")
-LOCK_KEY = 7_261_000_001  # pg_advisory_lock key for migrations
+LOCK_KEY = 7_261_000_001  # pg_advisory_xact_lock key for migrations
 
 
 class MigrationError(RuntimeError):
@@ -94,25 +95,29 @@ def check(conninfo: str, directory: Path | None = None) -> tuple[bool, str]:
 def migrate(conninfo: str, directory: Path | None = None, progress=None) -> list[int]:
     """Apply what is missing; return the versions applied now.
 
+    Each migration is one transaction that first takes the migrations' advisory
+    lock (pg_advisory_xact_lock, released at its commit) and reads again whether
+    another broker applied it meanwhile. Nothing spans two transactions, so it
+    runs the same through a transaction pooler (pgbouncer), where a session lock
+    taken in one transaction may be released on another server connection.
+
     progress(event, version, name), when given, is called with "start" and
     "done" around each migration applied."""
     todo = available(directory)
+    known = {v for v, _, _ in todo}
     done: list[int] = []
-    with psycopg.connect(conninfo, autocommit=True) as conn:
-        conn.execute("SELECT pg_advisory_lock(%s)", (LOCK_KEY,))
-        try:
-            exists = conn.execute("SELECT to_regclass('queen.schema_migrations') IS NOT NULL").fetchone()[0]
-            applied: dict[int, str | None] = {}
-            if exists:
-                applied = dict(conn.execute("SELECT version, checksum FROM queen.schema_migrations").fetchall())
-            known = {v for v, _, _ in todo}
-            if set(applied) - known:
-                raise MigrationError(
-                    f"database has migrations {sorted(set(applied) - known)} that this code does not know; "
-                    "upgrade the broker")
-            for version, name, path in todo:
-                text = path.read_text()
-                checksum = hashlib.sha256(text.encode()).hexdigest()
+    # prepare_threshold=None: no server-side prepared statement (a pooler may change server connections)
+    with psycopg.connect(conninfo, autocommit=True, prepare_threshold=None) as conn:
+        newer = sorted(set(_applied(conn)) - known)
+        if newer:
+            raise MigrationError(f"database has migrations {newer} that this code does not know; "
+                                 "upgrade the broker")
+        for version, name, path in todo:
+            text = path.read_text()
+            checksum = hashlib.sha256(text.encode()).hexdigest()
+            with conn.transaction():
+                conn.execute("SELECT pg_advisory_xact_lock(%s)", (LOCK_KEY,))
+                applied = _applied(conn)
                 if version in applied:
                     if applied[version] not in (None, checksum):
                         raise MigrationError(
@@ -121,16 +126,20 @@ def migrate(conninfo: str, directory: Path | None = None, progress=None) -> list
                     continue
                 if progress:
                     progress("start", version, name)
-                with conn.transaction():
-                    conn.execute(text)
-                    conn.execute("INSERT INTO queen.schema_migrations (version, name, checksum) VALUES (%s, %s, %s)",
-                                 (version, name, checksum))
-                done.append(version)
-                if progress:
-                    progress("done", version, name)
-        finally:
-            conn.execute("SELECT pg_advisory_unlock(%s)", (LOCK_KEY,))
+                conn.execute(text)
+                conn.execute("INSERT INTO queen.schema_migrations (version, name, checksum) VALUES (%s, %s, %s)",
+                             (version, name, checksum))
+            done.append(version)
+            if progress:
+                progress("done", version, name)
     return done
+
+
+def _applied(conn: psycopg.Connection) -> dict[int, str | None]:
+    """version -> checksum of what the database records (nothing before migration 001)."""
+    if not conn.execute("SELECT to_regclass('queen.schema_migrations') IS NOT NULL").fetchone()[0]:
+        return {}
+    return dict(conn.execute("SELECT version, checksum FROM queen.schema_migrations").fetchall())
 
 
 def main() -> int:
