@@ -178,7 +178,8 @@ def connect(url: str):
     import psycopg
     from psycopg.rows import dict_row
     try:
-        return psycopg.connect(url, autocommit=True, row_factory=dict_row,
+        # no server-side prepared statement: a transaction pooler may be between (QUEEN_POOL_MODE)
+        return psycopg.connect(url, autocommit=True, row_factory=dict_row, prepare_threshold=None,
                                application_name="queen-timers-cli", connect_timeout=10)
     except psycopg.Error as exc:
         raise CliError("timers_unavailable",

@@ -69,6 +69,12 @@ class Settings:
     database_url: str
     # a hot standby for peek and list (None: they read the primary like everything else)
     read_database_url: str | None = None
+    # session: every connection reaches PostgreSQL (or a session pooler) and keeps its
+    # settings; transaction: a transaction pooler (pgbouncer pool_mode=transaction) is
+    # between: no startup options, no prepared statements, the timeout set per transaction
+    pool_mode: str = "session"
+    # a URL without the pooler, for what needs a session: the sweeper's LISTEN
+    direct_database_url: str | None = None
     host: str = "127.0.0.1"
     port: int = 6632
     broker_id: str = field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}")
@@ -126,6 +132,8 @@ class Settings:
         settings = cls(
             database_url=url,
             read_database_url=_url(env, "QUEEN_READ_DATABASE_URL"),
+            pool_mode=_choice(env, "QUEEN_POOL_MODE", "session", ("session", "transaction")),
+            direct_database_url=_url(env, "QUEEN_DIRECT_DATABASE_URL"),
             host=env.get("QUEEN_HOST") or "127.0.0.1",
             port=_int(env, "QUEEN_PORT", 6632, 1),
             broker_id=env.get("QUEEN_BROKER_ID") or f"{socket.gethostname()}-{os.getpid()}",

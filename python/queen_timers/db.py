@@ -14,11 +14,21 @@ cluster protocol of its own: it only bounds every wait (connect_timeout,
 TCP keepalives, tcp_user_timeout) and discards a pooled connection whose
 server closed it or turned read-only (a standby, or a primary fenced with
 default_transaction_read_only) instead of handing it to a request.
+
+Behind a transaction pooler (QUEEN_POOL_MODE=transaction: pgbouncer's
+pool_mode=transaction) a connection's session is not its own: each
+transaction may run on another server connection. So nothing rides on the
+session there: no `options` startup parameter (pgbouncer refuses it), no
+server-side prepared statement (prepare_threshold=None), and the statement
+timeout is set per transaction (set_config(..., true) in a transaction
+around each request's work and each sweeper call). LISTEN needs a session:
+the sweeper takes it on QUEEN_DIRECT_DATABASE_URL, or polls.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 from importlib import resources
@@ -91,14 +101,41 @@ def conninfo(url: str, settings: Settings, *, writable: bool = True) -> str:
     return make_conninfo("", **params)
 
 
+def pooled(settings: Settings) -> bool:
+    """True behind a transaction pooler (QUEEN_POOL_MODE=transaction)."""
+    return settings.pool_mode == "transaction"
+
+
 def connect_kwargs(settings: Settings, application_name: str) -> dict:
-    options = f"-c statement_timeout={settings.statement_timeout_ms}" if settings.statement_timeout_ms else ""
-    return {
-        "application_name": application_name,
-        "options": options,
-        "row_factory": dict_row,
-        "autocommit": True,
-    }
+    kwargs = {"application_name": application_name, "row_factory": dict_row, "autocommit": True}
+    if pooled(settings):
+        kwargs["prepare_threshold"] = None  # a prepared statement lives on one server connection
+    elif settings.statement_timeout_ms:
+        kwargs["options"] = f"-c statement_timeout={settings.statement_timeout_ms}"
+    return kwargs
+
+
+SET_TIMEOUT = "SELECT set_config('statement_timeout', %s, true)"
+
+
+@contextlib.asynccontextmanager
+async def bounded(conn: AsyncConnection, settings: Settings):
+    """Behind a transaction pooler: a transaction whose statement timeout is the broker's
+    (SET LOCAL; the session's setting would be another server connection's). Directly:
+    nothing (the timeout rode on the connection's startup options)."""
+    if not pooled(settings) or not settings.statement_timeout_ms:
+        yield conn
+        return
+    async with conn.transaction():
+        await conn.execute(SET_TIMEOUT, (str(settings.statement_timeout_ms),))
+        yield conn
+
+
+async def fetch_bounded(conn: AsyncConnection, settings: Settings, sql: str, params: tuple) -> list:
+    """One statement's rows, under the broker's statement timeout (see bounded)."""
+    async with bounded(conn, settings):
+        cur = await conn.execute(sql, params)
+        return await cur.fetchall()
 
 
 def read_only_server(conn: psycopg.AsyncConnection | psycopg.Connection) -> bool:
@@ -145,9 +182,30 @@ class BrokerPool(AsyncConnectionPool):
     every idle connection is stale, and a request would spend its whole
     QUEEN_POOL_TIMEOUT_MS stepping over them."""
 
-    def __init__(self, *args, writable: bool, **kwargs):
+    def __init__(self, *args, writable: bool, settings: Settings, **kwargs):
         super().__init__(*args, **kwargs)
         self.writable = writable
+        self.settings = settings
+        self._discard: set[int] = set()
+
+    @contextlib.asynccontextmanager
+    async def connection(self, timeout: float | None = None):
+        """A connection for one request's work: in a transaction with the statement
+        timeout behind a transaction pooler (see bounded); closed instead of kept when
+        the work asked for it (discard)."""
+        async with super().connection(timeout) as conn:
+            try:
+                async with bounded(conn, self.settings):
+                    yield conn
+            finally:
+                if id(conn) in self._discard:
+                    self._discard.discard(id(conn))
+                    await conn.close()  # the pool drops a closed connection and opens another
+
+    def discard(self, conn: AsyncConnection) -> None:
+        """Close `conn` once its work is done (committed) rather than keep it: libpq keeps
+        its buffers at the largest size they ever held."""
+        self._discard.add(id(conn))
 
     async def getconn(self, timeout: float | None = None) -> AsyncConnection:
         deadline = monotonic() + (self.timeout if timeout is None else timeout)
@@ -185,6 +243,7 @@ def make_pool(settings: Settings, *, read: bool = False) -> BrokerPool:
     return BrokerPool(
         conninfo(url, settings, writable=not read),
         writable=not read,
+        settings=settings,
         min_size=settings.pool_min,
         max_size=settings.pool_max,
         timeout=settings.pool_timeout_ms / 1000,
@@ -196,14 +255,24 @@ def make_pool(settings: Settings, *, read: bool = False) -> BrokerPool:
     )
 
 
-async def connect(settings: Settings, role: str) -> AsyncConnection:
+def listen_url(settings: Settings) -> str | None:
+    """Where LISTEN can hold a session: QUEEN_DIRECT_DATABASE_URL; the database URL when no
+    transaction pooler is between; else None (the sweeper polls)."""
+    if settings.direct_database_url:
+        return settings.direct_database_url
+    return None if pooled(settings) else settings.database_url
+
+
+async def connect(settings: Settings, role: str, url: str | None = None) -> AsyncConnection:
     """A dedicated autocommit connection to the primary (sweeper, LISTEN).
 
     Refuses a read-only server: with target_session_attrs=any in the URL libpq
     may land on a standby, where the sweeper could only fail."""
-    conn = await AsyncConnection.connect(
-        conninfo(settings.database_url, settings), **connect_kwargs(settings, f"queen-{role}:{settings.broker_id}")
-    )
+    kwargs = connect_kwargs(settings, f"queen-{role}:{settings.broker_id}")
+    if url is not None and url == settings.direct_database_url and pooled(settings):
+        # the direct session is a real one: its settings may ride on it
+        kwargs.pop("prepare_threshold", None)
+    conn = await AsyncConnection.connect(conninfo(url or settings.database_url, settings), **kwargs)
     if read_only_server(conn):
         await conn.close()
         raise ReadOnlyServer(f"{role}: the server is read-only (a standby, or fenced); not using it")

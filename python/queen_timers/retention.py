@@ -96,8 +96,7 @@ class Retention:
         total = 0
         while not self._stopping:
             t0 = time.monotonic()
-            cur = await self._conn.execute(APPLY, (batch,))
-            n = self.metrics.observe_retention(await cur.fetchone())
+            n = self.metrics.observe_retention((await db.fetch_bounded(self._conn, self.settings, APPLY, (batch,)))[0])
             total += n
             if n < batch:
                 break

@@ -274,7 +274,7 @@ async def push(request: Request) -> JSONResponse:
              _array([r[3] for r in rows]), [r[4] for r in rows], [r[5] for r in rows], principal.sub))
         results = await cur.fetchall()
         if sum(len(r[4]) for r in rows) > DISCARD_AFTER_BYTES:
-            await conn.close()  # the pool replaces it (see DISCARD_AFTER_BYTES)
+            request.app.state.pool.discard(conn)  # closed once committed (see DISCARD_AFTER_BYTES)
     out = []
     for r in results:
         if r["status"] == "queued":

@@ -159,10 +159,11 @@ class Sweeper:
     async def _connect(self) -> None:
         if _connection_broken(self._conn):
             self._conn = await db.connect(self.settings, "sweeper")
-        if _connection_broken(self._listen):
+        url = db.listen_url(self.settings)
+        if _connection_broken(self._listen) and url is not None:
             self._listen = None
             try:
-                listen = await db.connect(self.settings, "sweeper-listen")
+                listen = await db.connect(self.settings, "sweeper-listen", url)
                 await listen.execute("LISTEN queen_timers")
                 self._listen = listen
             except psycopg.Error as exc:
@@ -364,8 +365,7 @@ class Sweeper:
 
     async def _fetch(self, sql: str, params: tuple) -> list[dict]:
         assert self._conn is not None
-        cur = await self._conn.execute(sql, params)
-        return await cur.fetchall()
+        return await db.fetch_bounded(self._conn, self.settings, sql, params)
 
     # ------------------------------------------------------------------
     # the adaptive sleep
@@ -377,6 +377,10 @@ class Sweeper:
         due_ms = row["ms"]
         wait_ms = s.sweeper_max_sleep_ms if due_ms is None else due_ms
         wait_ms = min(max(wait_ms, s.sweeper_min_sleep_ms), s.sweeper_max_sleep_ms)
+        if db.listen_url(s) is None:
+            # behind a transaction pooler with no direct URL no NOTIFY can wake it:
+            # poll at the minimum sleep (a timer fires up to that much late)
+            wait_ms = s.sweeper_min_sleep_ms
         deadline = local_at + wait_ms / 1000
         self._sleeping = True
         try:
