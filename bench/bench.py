@@ -25,12 +25,13 @@ import cancel  # noqa: E402
 import drills  # noqa: E402
 import failover  # noqa: E402
 import mem  # noqa: E402
+import pgbouncer  # noqa: E402
 import perf  # noqa: E402
 import retention  # noqa: E402
 import scale  # noqa: E402
 import schedule  # noqa: E402
 
-SECTIONS = ("fire", "scale", "schedule", "lag", "lag2", "growth", "profile", "retention", "cancel", "mem", "rss", "kill",
+SECTIONS = ("fire", "scale", "schedule", "lag", "lag2", "growth", "profile", "retention", "cancel", "mem", "pgbouncer", "rss", "kill",
             "pgrestart", "pool", "failover")
 
 
@@ -234,6 +235,9 @@ def main() -> int:
     ap.add_argument("--mem-size-mb", type=int, default=360, help="mem: size of the hostile bodies (MB)")
     ap.add_argument("--mem-delete-rate", type=float, default=200, help="mem: the other tenant's DELETEs per second")
     ap.add_argument("--mem-settle-s", type=float, default=30, help="mem: RSS read this long after the flood")
+    ap.add_argument("--pgb-rate", type=int, default=1000, help="pgbouncer: timers/s becoming due")
+    ap.add_argument("--pgb-seconds", type=float, default=20, help="pgbouncer: seconds of load per round")
+    ap.add_argument("--pgb-rounds", type=int, default=2, help="pgbouncer: rounds per set-up, alternating")
     ap.add_argument("--fsync", default="on", choices=("on", "off"))
     args = ap.parse_args()
     if args.quick:
@@ -243,6 +247,7 @@ def main() -> int:
         args.lag_seconds, args.growth_sizes, args.growth_batch, args.growth_lag_seconds = 5, "10000", 2000, 3
         args.kills, args.pg_restart_seconds, args.pool_clients = 5, 9, 16
         args.mem_clients, args.mem_size_mb, args.mem_settle_s = 2, 40, 5
+        args.pgb_seconds, args.pgb_rounds = 5, 1
         args.failover_seconds = 10
         args.retention_n, args.retention_backlog = 5000, 100000
         args.cancel_n, args.cancel_http_n, args.cancel_load_seconds = 1000, 500, 5
@@ -305,6 +310,8 @@ def main() -> int:
             broker = None
         section("mem", mem.bench_mem, url, res, args.mem_clients, args.mem_size_mb, args.mem_delete_rate,
                 args.mem_settle_s)
+        section("pgbouncer", pgbouncer.bench_pgbouncer, cluster, url, res, args.pgb_rate, args.pgb_seconds,
+                args.pgb_rounds)
         section("rss", scale.bench_rss, cluster, url, res, args.rss_n, args.rss_zstd_n, args.rss_zstd_bytes,
                 **({"QUEEN_SWEEPER_BATCH_BYTES": args.rss_batch_bytes} if args.rss_batch_bytes else {}))
         section("kill", drills.drill_kill, cluster, res, args.kills)

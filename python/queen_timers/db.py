@@ -29,7 +29,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
+import weakref
 import os
 from importlib import resources
 from pathlib import Path
@@ -132,10 +134,21 @@ async def bounded(conn: AsyncConnection, settings: Settings):
 
 
 async def fetch_bounded(conn: AsyncConnection, settings: Settings, sql: str, params: tuple) -> list:
-    """One statement's rows, under the broker's statement timeout (see bounded)."""
+    """One statement's rows, under the broker's statement timeout (see bounded) when `conn`
+    goes through the pooler (a dedicated connection on QUEEN_DIRECT_DATABASE_URL does not)."""
+    if getattr(conn, "info", None) is not None and _is_direct(conn, settings):
+        cur = await conn.execute(sql, params)
+        return await cur.fetchall()
     async with bounded(conn, settings):
         cur = await conn.execute(sql, params)
         return await cur.fetchall()
+
+
+_DIRECT: "weakref.WeakSet[AsyncConnection]" = weakref.WeakSet()
+
+
+def _is_direct(conn: AsyncConnection, settings: Settings) -> bool:
+    return not pooled(settings) or conn in _DIRECT
 
 
 def read_only_server(conn: psycopg.AsyncConnection | psycopg.Connection) -> bool:
@@ -268,11 +281,15 @@ async def connect(settings: Settings, role: str, url: str | None = None) -> Asyn
 
     Refuses a read-only server: with target_session_attrs=any in the URL libpq
     may land on a standby, where the sweeper could only fail."""
-    kwargs = connect_kwargs(settings, f"queen-{role}:{settings.broker_id}")
-    if url is not None and url == settings.direct_database_url and pooled(settings):
-        # the direct session is a real one: its settings may ride on it
-        kwargs.pop("prepare_threshold", None)
+    direct = url is not None and url == settings.direct_database_url and pooled(settings)
+    if direct:  # a real session, without the pooler: the timeout rides on it as when direct
+        kwargs = connect_kwargs(dataclasses.replace(settings, pool_mode="session"),
+                                f"queen-{role}:{settings.broker_id}")
+    else:
+        kwargs = connect_kwargs(settings, f"queen-{role}:{settings.broker_id}")
     conn = await AsyncConnection.connect(conninfo(url or settings.database_url, settings), **kwargs)
+    if direct:
+        _DIRECT.add(conn)
     if read_only_server(conn):
         await conn.close()
         raise ReadOnlyServer(f"{role}: the server is read-only (a standby, or fenced); not using it")

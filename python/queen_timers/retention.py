@@ -91,7 +91,7 @@ class Retention:
         """One pass: apply_retention until a call comes back short of a full batch. Returns rows deleted."""
         self.ticks += 1
         if self._conn is None or self._conn.closed or self._conn.broken:
-            self._conn = await db.connect(self.settings, "retention")
+            self._conn = await db.connect(self.settings, "retention", self.settings.direct_database_url)
         batch = min(self.settings.retention_batch, SQL_MAX_LIMIT)
         total = 0
         while not self._stopping:

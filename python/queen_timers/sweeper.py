@@ -158,7 +158,8 @@ class Sweeper:
 
     async def _connect(self) -> None:
         if _connection_broken(self._conn):
-            self._conn = await db.connect(self.settings, "sweeper")
+            # QUEEN_DIRECT_DATABASE_URL, when set: the fire's one connection needs no pooler
+            self._conn = await db.connect(self.settings, "sweeper", self.settings.direct_database_url)
         url = db.listen_url(self.settings)
         if _connection_broken(self._listen) and url is not None:
             self._listen = None

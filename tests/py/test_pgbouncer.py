@@ -208,3 +208,25 @@ def test_the_cli_works_through_pgbouncer(bouncer, db, tmp_path):
                           env=env, capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert db.execute("SELECT count(*) AS n FROM queen.timers WHERE queue = 'cli'").fetchone()["n"] == 12
+
+
+LISTENERS = "SELECT count(*) AS n FROM pg_stat_activity WHERE query = 'LISTEN queen_timers'"
+
+
+def test_the_sweeper_takes_its_session_on_the_direct_url_or_polls(pooled, db, database_url):
+    # through pgbouncer alone no LISTEN is attempted (it would hold no session): the sweeper polls
+    b = pooled(QUEEN_SWEEPER_MAX_SLEEP_MS="60000")
+    with b.client() as c:
+        post(c, op("schedule", "polled", delayMs=0))
+    deadline = time.monotonic() + 10
+    while db.execute("SELECT count(*) AS n FROM queen.timers").fetchone()["n"]:
+        assert time.monotonic() < deadline, "a pooled broker without LISTEN must poll"
+        time.sleep(0.05)
+    assert db.execute(LISTENERS).fetchone()["n"] == 0
+    b.kill()
+    # with QUEEN_DIRECT_DATABASE_URL the sweeper's session and its LISTEN are there
+    pooled(QUEEN_DIRECT_DATABASE_URL=database_url)
+    deadline = time.monotonic() + 10
+    while db.execute(LISTENERS).fetchone()["n"] != 1:
+        assert time.monotonic() < deadline, "no LISTEN session on the direct URL"
+        time.sleep(0.05)
