@@ -25,6 +25,7 @@ import cancel  # noqa: E402
 import drills  # noqa: E402
 import failover  # noqa: E402
 import mem  # noqa: E402
+import patroni  # noqa: E402
 import pgbouncer  # noqa: E402
 import perf  # noqa: E402
 import retention  # noqa: E402
@@ -32,7 +33,7 @@ import scale  # noqa: E402
 import schedule  # noqa: E402
 
 SECTIONS = ("fire", "scale", "schedule", "lag", "lag2", "growth", "profile", "retention", "cancel", "mem", "pgbouncer", "rss", "kill",
-            "pgrestart", "pool", "failover")
+            "pgrestart", "pool", "failover", "patroni")
 
 
 def machine() -> dict:
@@ -238,6 +239,7 @@ def main() -> int:
     ap.add_argument("--pgb-rate", type=int, default=1000, help="pgbouncer: timers/s becoming due")
     ap.add_argument("--pgb-seconds", type=float, default=20, help="pgbouncer: seconds of load per round")
     ap.add_argument("--pgb-rounds", type=int, default=2, help="pgbouncer: rounds per set-up, alternating")
+    ap.add_argument("--patroni-seconds", type=float, default=30, help="patroni: seconds of load per round")
     ap.add_argument("--fsync", default="on", choices=("on", "off"))
     args = ap.parse_args()
     if args.quick:
@@ -248,6 +250,7 @@ def main() -> int:
         args.kills, args.pg_restart_seconds, args.pool_clients = 5, 9, 16
         args.mem_clients, args.mem_size_mb, args.mem_settle_s = 2, 40, 5
         args.pgb_seconds, args.pgb_rounds = 5, 1
+        args.patroni_seconds = 20
         args.failover_seconds = 10
         args.retention_n, args.retention_backlog = 5000, 100000
         args.cancel_n, args.cancel_http_n, args.cancel_load_seconds = 1000, 500, 5
@@ -320,6 +323,8 @@ def main() -> int:
         # its own primary + synchronous standby (scripts/pg-replica), not the bench cluster
         section("failover", failover.drill_failover, res, args.failover_seconds, args.fsync,
                 args.failover_detect_s)
+        # its own etcd and two Patroni members (scripts/patroni-cell)
+        section("patroni", patroni.drill_patroni, res, args.patroni_seconds)
     finally:
         if broker:
             broker.stop()

@@ -79,7 +79,7 @@ class ReplicaPair:
 
 
 async def _clients(urls: list[str], seconds: float, clients: int, ops: int, marks: dict,
-                   on_start=None) -> dict:
+                   on_start=None, queue: str = QUEUE) -> dict:
     """clients workers POSTing batches of ops schedules (due in 0..2000 ms), round-robin over
     the brokers. A 200's verdicts are accepted; a 503 or a transport error leaves the
     batch's outcome unknown (its commit may have happened just before the primary died)."""
@@ -101,8 +101,8 @@ async def _clients(urls: list[str], seconds: float, clients: int, ops: int, mark
                 batch = []
                 for _ in range(ops):
                     seq += 1
-                    key = f"fo-{seq}"
-                    batch.append({"op": "schedule", "queue": QUEUE, "timerKey": key,
+                    key = f"{queue}-{seq}"
+                    batch.append({"op": "schedule", "queue": queue, "timerKey": key,
                                   "delayMs": random.randint(0, 2000), "txn": key, "payload": payload})
                 t0 = time.monotonic()
                 try:
