@@ -225,7 +225,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from .migrate import MigrationError
     try:
         # on the primary: the same multi-host rule and bounded connect as every broker connection
-        applied = migrate(conninfo(settings.database_url, settings))
+        applied = migrate(conninfo(settings.database_url, settings),
+                          found=lambda said: logging.getLogger("queen_timers").info("database: %s", said))
     except MigrationError as exc:
         raise CliError("migration_refused", str(exc)) from None
     except Exception as exc:
@@ -279,7 +280,7 @@ def cmd_migrate(args: argparse.Namespace) -> int:
                 count += 1
                 progress.update(count)
 
-        applied = m.migrate(url, progress=step)
+        applied = m.migrate(url, progress=step, found=lambda said: progress.note(said))
         progress.finish()
         ok, detail = m.check(url)
         if args.json:
