@@ -238,7 +238,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if applied:
         logging.getLogger("queen_timers").info("applied migrations %s", applied)
     # httptools (llhttp, C) and uvloop: the request path's parsing and event loop in C
-    # (bench/RESULTS.md, "Cancel (issue 12)"); server.py keeps the JSON 400 and the 16 KiB head limit
+    # (bench/history/2026-12-03-cancel-issue-12.md); server.py keeps the JSON 400 and the 16 KiB head limit
     uvicorn.run(create_app(settings), host=settings.host, port=settings.port,
                 log_level="warning", access_log=False, http=JsonErrorHttpToolsProtocol, loop="uvloop")
     return EXIT_OK
