@@ -2,7 +2,7 @@
 .DEFAULT_GOAL := help
 SHELL := /bin/bash
 
-.PHONY: help run test bench install stop-db psql
+.PHONY: help run test bench install stop-db psql extension install-extension
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-18s %s\n", $$1, $$2}'
@@ -25,3 +25,9 @@ stop-db:  ## stop this checkout's embedded cluster (.queen/pg), saying which
 psql:  ## psql into the queen database (QUEEN_DATABASE_URL, or this checkout's embedded cluster)
 	@scripts/psql
 
+
+extension:  ## generate the PostgreSQL extension and the plain psql install file from sql/ into extension/
+	@scripts/make-extension extension
+
+install-extension: extension  ## copy extension/ into `pg_config --sharedir`/extension (CREATE EXTENSION queen_timers)
+	@dir="$$(pg_config --sharedir)/extension"; install -m 644 extension/queen_timers.control extension/queen_timers--*.sql "$$dir"/ && echo "installed queen_timers $$(sed -n "s/^default_version = '\(.*\)'/\1/p" extension/queen_timers.control) into $$dir"

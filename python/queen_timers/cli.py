@@ -226,7 +226,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from .migrate import MigrationError
     try:
         # on the primary: the same multi-host rule and bounded connect as every broker connection
-        applied = migrate(conninfo(settings.database_url, settings))
+        applied = migrate(conninfo(settings.database_url, settings),
+                          found=lambda said: logging.getLogger("queen_timers").info("database: %s", said))
     except MigrationError as exc:
         raise CliError("migration_refused", str(exc)) from None
     except Exception as exc:
@@ -238,7 +239,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if applied:
         logging.getLogger("queen_timers").info("applied migrations %s", applied)
     # httptools (llhttp, C) and uvloop: the request path's parsing and event loop in C
-    # (bench/RESULTS.md, "Cancel (issue 12)"); server.py keeps the JSON 400 and the 16 KiB head limit
+    # (bench/history/2026-12-03-cancel-issue-12.md); server.py keeps the JSON 400 and the 16 KiB head limit
     uvicorn.run(create_app(settings), host=settings.host, port=settings.port,
                 log_level="warning", access_log=False, loop="uvloop",
                 http=JsonErrorHttpToolsProtocol.with_head_timeout(settings.head_timeout_ms / 1000),
@@ -282,7 +283,7 @@ def cmd_migrate(args: argparse.Namespace) -> int:
                 count += 1
                 progress.update(count)
 
-        applied = m.migrate(url, progress=step)
+        applied = m.migrate(url, progress=step, found=lambda said: progress.note(said))
         progress.finish()
         ok, detail = m.check(url)
         if args.json:

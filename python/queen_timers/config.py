@@ -1,6 +1,6 @@
 """Broker configuration: environment variables, all prefixed QUEEN_, each with a default.
 
-The README's configuration table is the reference; keep the two in step.
+docs/configuration.md is the reference; keep the two in step.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Documented limits on names, in UTF-8 bytes (README "Limits").
+"""Documented limits on names, in UTF-8 bytes (docs/limits.md).
 
 The HTTP shell checks them before any SQL (400 timers_bad_request); the
 timer functions check the same numbers again (queen.timer_name_problem),

@@ -78,7 +78,15 @@ def status(conninfo: str, directory: Path | None = None) -> list[dict]:
 
 def check(conninfo: str, directory: Path | None = None) -> tuple[bool, str]:
     """(True, ...) when every migration of this code is applied unchanged and the database
-    holds none it does not know; otherwise (False, what is wrong)."""
+    holds none it does not know; otherwise (False, what is wrong). A database whose queen
+    schema is the extension queen_timers is judged by the extension's version."""
+    with psycopg.connect(conninfo, autocommit=True) as conn:
+        version = extension_version(conn)
+    if version is not None:
+        try:
+            return True, check_extension(version, available(directory)[-1][0])
+        except MigrationError as exc:
+            return False, str(exc)
     rows = status(conninfo, directory)
     problems = []
     for state, what in (("pending", "not applied"), ("changed", "changed after they were applied"),
@@ -92,7 +100,33 @@ def check(conninfo: str, directory: Path | None = None) -> tuple[bool, str]:
     return True, f"up to date at migration {latest:03d}"
 
 
-def migrate(conninfo: str, directory: Path | None = None, progress=None) -> list[int]:
+EXTENSION = "queen_timers"
+
+
+def extension_version(conn) -> str | None:
+    """The version of the extension queen_timers installed in this database, or None when the
+    queen schema (if any) was installed by the migrations or the plain install file."""
+    row = conn.execute("SELECT extversion FROM pg_extension WHERE extname = %s", (EXTENSION,)).fetchone()
+    return row[0] if row else None
+
+
+def check_extension(version: str, latest: int) -> str:
+    """The database's queen schema belongs to the extension queen_timers `version`
+    (version N = migration N): the runner must not migrate it. Returns what was found when
+    it is what this code needs; raises MigrationError when it is older or newer."""
+    found = f"extension {EXTENSION} {version} found"
+    if not version.isdigit():
+        raise MigrationError(f"{found}: not a version this code knows (it needs {latest})")
+    if int(version) < latest:
+        raise MigrationError(f"{found}, this code needs {latest}: run "
+                             f"`ALTER EXTENSION {EXTENSION} UPDATE` (after `make install-extension`); "
+                             "the migrations runner does not touch a schema the extension owns")
+    if int(version) > latest:
+        raise MigrationError(f"{found}, newer than this code ({latest}): upgrade the broker")
+    return f"{found}, up to date (the migrations runner leaves it to ALTER EXTENSION)"
+
+
+def migrate(conninfo: str, directory: Path | None = None, progress=None, found=None) -> list[int]:
     """Apply what is missing; return the versions applied now.
 
     Each migration is one transaction that first takes the migrations' advisory
@@ -102,12 +136,20 @@ def migrate(conninfo: str, directory: Path | None = None, progress=None) -> list
     taken in one transaction may be released on another server connection.
 
     progress(event, version, name), when given, is called with "start" and
-    "done" around each migration applied."""
+    "done" around each migration applied. found(text), when given, is told which kind of
+    database this is: the extension queen_timers (applied nothing; refused with
+    MigrationError when its version is not this code's) or the migrations."""
     todo = available(directory)
     known = {v for v, _, _ in todo}
     done: list[int] = []
     # prepare_threshold=None: no server-side prepared statement (a pooler may change server connections)
     with psycopg.connect(conninfo, autocommit=True, prepare_threshold=None) as conn:
+        version = extension_version(conn)
+        if version is not None:
+            said = check_extension(version, todo[-1][0])
+            if found:
+                found(said)
+            return done
         newer = sorted(set(_applied(conn)) - known)
         if newer:
             raise MigrationError(f"database has migrations {newer} that this code does not know; "
@@ -132,6 +174,8 @@ def migrate(conninfo: str, directory: Path | None = None, progress=None) -> list
             done.append(version)
             if progress:
                 progress("done", version, name)
+        if found:
+            found(f"migrations: {len(done)} applied now, at migration {todo[-1][0]:03d}")
     return done
 
 

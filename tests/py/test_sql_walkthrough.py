@@ -1,4 +1,4 @@
-"""The psql walkthrough of README.md runs as written.
+"""The psql walkthrough of docs/sql-walkthrough.md runs as written.
 
 Its ```sql blocks are run in order with `psql -v ON_ERROR_STOP=1` against a
 database built by scripts/install-schema (no broker, so no sweeper fires the
@@ -17,7 +17,7 @@ import pytest
 
 from conftest import ROOT, create_database
 
-DOC = ROOT / "README.md"
+DOC = ROOT / "docs" / "sql-walkthrough.md"
 DB_NAME = "queen_sql_walkthrough"
 
 
@@ -25,7 +25,7 @@ def walkthrough_blocks() -> list[tuple[str, str]]:
     """(sql, expected output) pairs of the 'psql walkthrough' section."""
     text = DOC.read_text()
     match = re.search(r"^## psql walkthrough\n(.*?)(?=^## |\Z)", text, re.S | re.M)
-    assert match, "README.md has no '## psql walkthrough' section"
+    assert match, "docs/sql-walkthrough.md has no '## psql walkthrough' section"
     fences = re.findall(r"^```(sql|text)\n(.*?)^```", match.group(1), re.S | re.M)
     pairs = []
     for i, (lang, body) in enumerate(fences):
