@@ -2,7 +2,7 @@
 .DEFAULT_GOAL := help
 SHELL := /bin/bash
 
-.PHONY: help run test bench install stop-db psql extension install-extension
+.PHONY: help run test bench bench-peers install stop-db psql extension install-extension
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-18s %s\n", $$1, $$2}'
@@ -15,6 +15,9 @@ test:  ## install what is missing, throwaway cluster, pg_prove + pytest
 
 bench:  ## benchmarks and fault drills (bench/), results printed and in bench/out/
 	@bench/run $(BENCH_ARGS)
+
+bench-peers:  ## queen-timers beside graphile-worker, pg-boss, procrastinate, PgQueuer (installs them into bench/peers/.install)
+	@bench/peers/run $(BENCH_ARGS)
 
 install:  ## the venv and the Debian test tools, nothing else
 	@scripts/install-deps

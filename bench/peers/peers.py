@@ -1,0 +1,301 @@
+"""make bench-peers: queen-timers beside graphile-worker, pg-boss, procrastinate and PgQueuer
+(issue 19), every system on one throwaway PostgreSQL 15 cluster (bench/harness.Cluster),
+each in a database of its own, rounds alternating between the systems, medians and ratios.
+
+Measures (sizes are options; --quick for a smoke run):
+- schedule: n future jobs through each system's batch API, batches of 256, 1 and 4 clients
+  (queen: queen.schedule_timers over SQL, POST /api/v1/timers over HTTP, and the bare upsert
+  on its own table for queen's own ratio);
+- drain: n due jobs by each system's worker at its default and a tuned concurrency, capped
+  at --drain-cap seconds (the partial count is printed);
+- cancel: single cancels by key (pg-boss: by id), p50/p99 (queen: cancel_timer and the bare
+  delete, queen's own ratio);
+- lag: --lag-rate jobs/s for --lag-seconds, each due 2 s after it was scheduled; lag = start
+  (queen: commit of the fired frame) minus the due instant. The peers read both instants on the
+  host clock, which is the database's clock (one machine); queen reads both in the database.
+The peers run in their own processes (node bench/peers/node_peer.js, the peers' venv python
+bench/peers/py_peer.py), one process per measure, printing one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+
+import cancel  # noqa: E402
+import schedule  # noqa: E402
+from harness import ROOT, Cluster, connect, load_timers, log, pct, start_broker  # noqa: E402
+
+from queen_timers.routes_timers import SCHEDULE_SQL  # noqa: E402
+
+INSTALL = HERE / ".install"
+NODE_PEERS = ("graphile-worker", "pg-boss")
+PY_PEERS = ("procrastinate", "pgqueuer")
+# tuned settings of each peer (the default ones are each system's documented defaults)
+TUNED = {
+    "graphile-worker": {"concurrency": 16, "poll_ms": 100},
+    "pg-boss": {"concurrency": 16, "poll_ms": 500},  # 0.5 s: pg-boss's documented minimum
+    "procrastinate": {"concurrency": 16, "poll_ms": 100},
+    "pgqueuer": {"concurrency": 16, "poll_ms": 100},
+}
+
+
+def run_peer(system: str, measure: str, url: str, timeout: float, **cfg) -> dict:
+    conf = json.dumps({"system": system, "measure": measure, "url": url, **cfg})
+    if system in NODE_PEERS:
+        argv = ["node", str(HERE / "node_peer.js"), conf]
+    else:
+        argv = [str(INSTALL / "venv" / "bin" / "python"), str(HERE / "py_peer.py"), conf]
+    try:
+        p = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {timeout:.0f} s"}
+    lines = [x for x in p.stdout.splitlines() if x.startswith("{")]
+    if p.returncode != 0 or not lines:
+        return {"error": (p.stderr or p.stdout).strip().splitlines()[-1:] or [f"exit {p.returncode}"]}
+    return json.loads(lines[-1])
+
+
+# ------------------------------------------------------------------ queen
+def queen_schedule(url, broker, admin, side, n, clients) -> dict:
+    ops = schedule.batches(max(1, n // schedule.BATCH))
+    return schedule.run_side(url, broker, admin, side, ops, clients)
+
+
+def queen_cancel(admin, client, broker, side, n) -> dict:
+    if side == "http":
+        return cancel.http_run(broker, admin, 1, n)
+    return cancel.sql_run(client, admin, side, n)
+
+
+def queen_drain(url, n, cap, **env) -> dict:
+    with connect(url) as c:
+        c.execute("TRUNCATE queen.timers, queen.messages, bench.expected")
+        load_timers(c, queue="bench-drain", n=n, prefix="d", expected=False)
+    t0 = time.monotonic()
+    b = start_broker(url, name="drain", **env)
+    try:
+        with connect(url) as c:
+            left = n
+            while time.monotonic() - t0 < cap:
+                left = c.execute("SELECT count(*) FROM queen.timers WHERE queue = 'bench-drain'").fetchone()[0]
+                if left == 0:
+                    break
+                time.sleep(0.05)
+            secs = time.monotonic() - t0
+    finally:
+        b.stop()
+    return {"done": n - left, "secs": secs, "per_s": (n - left) / secs, "capped": left > 0,
+            "settings": " ".join(f"{k}={v}" for k, v in env.items()) or "defaults"}
+
+
+def queen_lag(url, rate, seconds, due_s, **env) -> dict:
+    """Scheduled through queen.schedule_timers (SQL) at `rate`/s, each due due_s later;
+    lag = commit of the frame that delivered it minus its deliver_at, both in the database."""
+    with connect(url) as c:
+        c.execute("TRUNCATE queen.timers, queen.messages, bench.expected")
+    b = start_broker(url, name="lag", **env)
+    try:
+        total = int(rate * seconds)
+        tick = 0.05
+        made = 0
+        with connect(url) as c:
+            t0 = time.monotonic()
+            while made < total:
+                target = min(total, int((time.monotonic() - t0) * rate + rate * tick))
+                if target > made:
+                    ops = [{"op": "schedule", "queue": "bench-lag", "timerKey": f"l-{i}", "delayMs": int(due_s * 1000),
+                            "txn": f"l-{i}", "payload": "e30="} for i in range(made, target)]
+                    params = schedule.broker_params(ops) if len(ops) <= schedule.BATCH else None
+                    if params is None:
+                        raise RuntimeError("lag tick larger than a batch")
+                    c.execute(SCHEDULE_SQL, params, prepare=True).fetchall()
+                    c.execute("""INSERT INTO bench.expected (txn, queue, deliver_at)
+                                 SELECT txn, queue, deliver_at FROM queen.timers
+                                  WHERE queue = 'bench-lag' AND txn = ANY(%s)""", ([o["txn"] for o in ops],))
+                    made = target
+                time.sleep(tick)
+            deadline = time.monotonic() + due_s + 30  # queen fires within the tail
+            while time.monotonic() < deadline:
+                if not c.execute("SELECT EXISTS (SELECT 1 FROM queen.timers WHERE queue = 'bench-lag')").fetchone()[0]:
+                    break
+                time.sleep(0.1)
+            rows = [r[0] * 1000 for r in c.execute("""
+                SELECT extract(epoch FROM pg_xact_commit_timestamp(m.xmin) - e.deliver_at)::float8
+                  FROM bench.expected e JOIN queen.messages m ON m.transaction_id = e.txn""")]
+    finally:
+        b.stop()
+    return {"scheduled": total, "started": len(rows), "p50_ms": pct(rows, 50), "p95_ms": pct(rows, 95),
+            "p99_ms": pct(rows, 99), "max_ms": max(rows) if rows else None,
+            "settings": " ".join(f"{k}={v}" for k, v in env.items()) or "defaults"}
+
+
+# ------------------------------------------------------------------ report
+def fmt(v, unit=""):
+    if v is None:
+        return "n/a"
+    return f"{v:,.0f}{unit}" if abs(v) >= 100 else f"{v:.2f}{unit}"
+
+
+def med(runs: list[dict], key: str):
+    vals = [r[key] for r in runs if r.get(key) is not None and "error" not in r]
+    return statistics.median(vals) if vals else None
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="small sizes, a smoke run")
+    ap.add_argument("--systems", default=",".join(("queen", *NODE_PEERS, *PY_PEERS)))
+    ap.add_argument("--only", default="schedule,drain,cancel,lag")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--schedule-n", type=int, default=100_000)
+    ap.add_argument("--drain-n", type=int, default=100_000)
+    ap.add_argument("--drain-cap", type=float, default=120, help="seconds per drain run; the partial count is printed")
+    ap.add_argument("--cancel-n", type=int, default=10_000)
+    ap.add_argument("--lag-rate", type=int, default=500)
+    ap.add_argument("--lag-seconds", type=float, default=60)
+    ap.add_argument("--lag-due", type=float, default=2)
+    ap.add_argument("--lag-tail", type=float, default=30, help="seconds waited past the last due instant")
+    args = ap.parse_args()
+    if args.quick:
+        args.schedule_n, args.drain_n, args.cancel_n, args.lag_seconds, args.rounds = 5120, 5000, 500, 5, 1
+        args.drain_cap = min(args.drain_cap, 20)
+    systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    only = {s.strip() for s in args.only.split(",")}
+    peers = [s for s in systems if s != "queen"]
+
+    cluster = Cluster()
+    cluster.setup()
+    broker = None
+    figures: dict = {}
+    try:
+        log(f"== bench-peers: PostgreSQL {cluster.server_version()} on 127.0.0.1:{cluster.port}, "
+            f"fsync {cluster.fsync}, {os.cpu_count()} cores; node {subprocess.run(['node', '--version'], capture_output=True, text=True).stdout.strip()} ==")
+        url = cluster.create_db("queen")
+        urls = {}
+        for p in peers:
+            name = p.replace("-", "_")
+            with connect(cluster.admin) as c:
+                c.execute(f'CREATE DATABASE "{name}"')
+            urls[p] = f"postgresql://postgres@127.0.0.1:{cluster.port}/{name}"
+            v = run_peer(p, "version", urls[p], 60)
+            log(f"  {p}: {v.get('version') or v}")
+        broker = start_broker(url, name="peers")
+        admin = connect(url)
+        client = connect(url)
+        log(f"  queen: broker defaults (QUEEN_SWEEPER_MIN_SLEEP_MS=10, MAX_SLEEP_MS=1000)")
+
+        def record(measure, label, out):
+            figures.setdefault(measure, {}).setdefault(label, []).append(out)
+            if "error" in out:
+                log(f"    {label:42s} ERROR {out['error']}")
+            else:
+                keys = [k for k in ("per_s", "done", "capped", "p50_ms", "p95_ms", "p99_ms", "max_ms", "started", "rows", "hits")
+                        if k in out and out[k] is not None]
+                log(f"    {label:42s} " + "  ".join(f"{k} {fmt(out[k]) if not isinstance(out[k], bool) else out[k]}" for k in keys))
+
+        for r in range(args.rounds):
+            order = systems[r % len(systems):] + systems[:r % len(systems)]
+            log(f"\n-- round {r + 1}: {', '.join(order)}")
+            if "schedule" in only:
+                for clients in (1, 4):
+                    for s in order:
+                        if s == "queen":
+                            for side in ("sql", "bare", "http"):
+                                record("schedule", f"queen {side} c{clients}",
+                                       queen_schedule(url, broker, admin, side, args.schedule_n, clients))
+                        else:
+                            record("schedule", f"{s} c{clients}", run_peer(s, "schedule", urls[s], 600,
+                                   n=args.schedule_n, batch=256, clients=clients))
+            if "cancel" in only:
+                for s in order:
+                    if s == "queen":
+                        for side in ("cancel_timer", "bare", "http"):
+                            record("cancel", f"queen {side}", queen_cancel(admin, client, broker, side, args.cancel_n))
+                    else:
+                        record("cancel", s, run_peer(s, "cancel", urls[s], 900, n=args.cancel_n))
+            if "drain" in only:
+                for s in order:
+                    if s == "queen":
+                        broker.stop()
+                        record("drain", "queen default", queen_drain(url, args.drain_n, args.drain_cap))
+                        record("drain", "queen tuned", queen_drain(url, args.drain_n, args.drain_cap,
+                                                                   QUEEN_SWEEPER_BATCH=1024))
+                        broker = start_broker(url, name="peers")
+                    else:
+                        for mode in ("default", "tuned"):
+                            extra = TUNED[s] if mode == "tuned" else {}
+                            record("drain", f"{s} {mode}", run_peer(s, "drain", urls[s], args.drain_cap + 300,
+                                                                  n=args.drain_n, cap_s=args.drain_cap, **extra))
+            if "lag" in only:
+                for s in order:
+                    if s == "queen":
+                        broker.stop()
+                        record("lag", "queen default", queen_lag(url, args.lag_rate, args.lag_seconds, args.lag_due))
+                        record("lag", "queen tightest", queen_lag(url, args.lag_rate, args.lag_seconds, args.lag_due,
+                                                                  QUEEN_SWEEPER_MAX_SLEEP_MS=10))
+                        broker = start_broker(url, name="peers")
+                    else:
+                        for mode in ("default", "tuned"):
+                            extra = TUNED[s] if mode == "tuned" else {}
+                            record("lag", f"{s} {'tightest' if mode == 'tuned' else mode}",
+                                   run_peer(s, "lag", urls[s], args.lag_seconds + 200, rate=args.lag_rate,
+                                            seconds=args.lag_seconds, due_s=args.lag_due, cap_s=args.lag_tail, **extra))
+
+        log(f"\n== medians of {args.rounds} round(s) ==")
+        for measure, labels in figures.items():
+            log(f"  {measure}:")
+            for label, runs in labels.items():
+                keys = [k for k in ("per_s", "done", "p50_ms", "p95_ms", "p99_ms", "max_ms") if med(runs, k) is not None]
+                errs = [r["error"] for r in runs if "error" in r]
+                sett = next((r.get("settings") for r in runs if r.get("settings")), "")
+                log(f"    {label:42s} " + "  ".join(f"{k} {fmt(med(runs, k))}" for k in keys)
+                    + (f"  [{sett}]" if sett else "") + (f"  ERRORS {errs}" if errs else ""))
+        log("\n== ratios (medians) ==")
+        m = {ms_: {lab: runs for lab, runs in labels.items()} for ms_, labels in figures.items()}
+
+        def ratio(measure, a, b, key, inverse=False):
+            x, y = med(m.get(measure, {}).get(a, []), key), med(m.get(measure, {}).get(b, []), key)
+            if x is None or y is None or x == 0 or y == 0:
+                return None
+            return y / x if inverse else x / y
+
+        for c in (1, 4):
+            v = ratio("schedule", f"queen sql c{c}", f"queen bare c{c}", "per_s")
+            log(f"  queen schedule_timers / bare upsert, {c} client(s): {fmt(v)}  (target >= 0.9)")
+            v = ratio("schedule", f"queen http c{c}", f"queen sql c{c}", "per_s")
+            log(f"  queen HTTP / SQL schedule, {c} client(s): {fmt(v)}")
+            for p in peers:
+                v = ratio("schedule", f"queen sql c{c}", f"{p} c{c}", "per_s")
+                log(f"  queen SQL schedule / {p}, {c} client(s): {fmt(v)}x")
+        v = ratio("cancel", "queen cancel_timer", "queen bare", "p50_ms", inverse=True)
+        log(f"  queen cancel_timer / bare delete (p50 time, inverse): {fmt(v)}  (target >= 0.9)")
+        v = ratio("cancel", "queen cancel_timer", "queen bare", "per_s")
+        log(f"  queen cancel_timer / bare delete (ops/s): {fmt(v)}")
+        for p in peers:
+            v = ratio("cancel", "queen cancel_timer", p, "per_s")
+            log(f"  queen cancel_timer / {p} single cancels (ops/s): {fmt(v)}x")
+            v = ratio("drain", "queen default", f"{p} default", "per_s")
+            log(f"  queen drain (default) / {p} default worker: {fmt(v)}x")
+            v = ratio("lag", "queen default", f"{p} default", "p99_ms", inverse=True)
+            log(f"  fire lag p99, {p} default / queen default: {fmt(v)}x")
+        (ROOT / "bench" / "out").mkdir(parents=True, exist_ok=True)
+        (ROOT / "bench" / "out" / "peers.json").write_text(json.dumps(figures, indent=1, default=str))
+    finally:
+        if broker is not None:
+            broker.stop()
+        cluster.destroy()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
