@@ -28,9 +28,11 @@ import perf  # noqa: E402
 import retention  # noqa: E402
 import scale  # noqa: E402
 import schedule  # noqa: E402
+import soak  # noqa: E402
 
 SECTIONS = ("fire", "scale", "schedule", "lag", "lag2", "growth", "profile", "retention", "cancel", "rss", "kill",
             "pgrestart", "pool", "failover")
+EXTRA = ("soak",)  # only when named in --only: an hour by default
 
 
 def machine() -> dict:
@@ -177,7 +179,7 @@ def variant_brokers(url: str, specs: list[str]) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--only", default=",".join(SECTIONS), help=f"comma list of {','.join(SECTIONS)}")
+    ap.add_argument("--only", default=",".join(SECTIONS), help=f"comma list of {','.join(SECTIONS)} (the default), or {','.join(EXTRA)}")
     ap.add_argument("--quick", action="store_true", help="small sizes everywhere (a smoke run of a minute or two)")
     ap.add_argument("--fire-n", type=int, default=50000)
     ap.add_argument("--rounds", type=int, default=2)
@@ -229,6 +231,8 @@ def main() -> int:
     ap.add_argument("--cancel-load-variant", action="append", default=[], metavar="PARSER:LOOP",
                     help="also DELETE through a second broker with this HTTP parser (h11, httptools) and event "
                          "loop (asyncio, uvloop), windows alternating (bench/broker_variant.py); repeatable")
+    ap.add_argument("--soak-minutes", type=int, default=60, help="length of the soak section's load")
+    ap.add_argument("--soak-rate", type=int, default=1000, help="schedules per second of the soak")
     ap.add_argument("--fsync", default="on", choices=("on", "off"))
     args = ap.parse_args()
     if args.quick:
@@ -242,7 +246,7 @@ def main() -> int:
         args.cancel_n, args.cancel_http_n, args.cancel_load_seconds = 1000, 500, 5
         args.cancel_load_rounds = 1
     only = {s.strip() for s in args.only.split(",") if s.strip()}
-    bad = only - set(SECTIONS)
+    bad = only - set(SECTIONS) - set(EXTRA)
     if bad:
         ap.error(f"unknown sections {sorted(bad)}")
 
@@ -305,6 +309,7 @@ def main() -> int:
         # its own primary + synchronous standby (scripts/pg-replica), not the bench cluster
         section("failover", failover.drill_failover, res, args.failover_seconds, args.fsync,
                 args.failover_detect_s)
+        section("soak", soak.bench_soak, cluster, url, res, args.soak_minutes, args.soak_rate)
     finally:
         if broker:
             broker.stop()
