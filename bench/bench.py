@@ -31,9 +31,11 @@ import perf  # noqa: E402
 import retention  # noqa: E402
 import scale  # noqa: E402
 import schedule  # noqa: E402
+import soak  # noqa: E402
 
 SECTIONS = ("fire", "scale", "schedule", "lag", "lag2", "growth", "profile", "retention", "cancel", "mem", "pgbouncer", "rss", "kill",
             "pgrestart", "pool", "failover", "patroni")
+EXTRA = ("soak",)  # only when named in --only: an hour by default
 
 
 def machine() -> dict:
@@ -180,7 +182,7 @@ def variant_brokers(url: str, specs: list[str]) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--only", default=",".join(SECTIONS), help=f"comma list of {','.join(SECTIONS)}")
+    ap.add_argument("--only", default=",".join(SECTIONS), help=f"comma list of {','.join(SECTIONS)} (the default), or {','.join(EXTRA)}")
     ap.add_argument("--quick", action="store_true", help="small sizes everywhere (a smoke run of a minute or two)")
     ap.add_argument("--fire-n", type=int, default=50000)
     ap.add_argument("--rounds", type=int, default=2)
@@ -240,6 +242,8 @@ def main() -> int:
     ap.add_argument("--pgb-seconds", type=float, default=20, help="pgbouncer: seconds of load per round")
     ap.add_argument("--pgb-rounds", type=int, default=2, help="pgbouncer: rounds per set-up, alternating")
     ap.add_argument("--patroni-seconds", type=float, default=30, help="patroni: seconds of load per round")
+    ap.add_argument("--soak-minutes", type=int, default=60, help="length of the soak section's load")
+    ap.add_argument("--soak-rate", type=int, default=1000, help="schedules per second of the soak")
     ap.add_argument("--fsync", default="on", choices=("on", "off"))
     args = ap.parse_args()
     if args.quick:
@@ -256,7 +260,7 @@ def main() -> int:
         args.cancel_n, args.cancel_http_n, args.cancel_load_seconds = 1000, 500, 5
         args.cancel_load_rounds = 1
     only = {s.strip() for s in args.only.split(",") if s.strip()}
-    bad = only - set(SECTIONS)
+    bad = only - set(SECTIONS) - set(EXTRA)
     if bad:
         ap.error(f"unknown sections {sorted(bad)}")
 
@@ -325,6 +329,7 @@ def main() -> int:
                 args.failover_detect_s)
         # its own etcd and two Patroni members (scripts/patroni-cell)
         section("patroni", patroni.drill_patroni, res, args.patroni_seconds)
+        section("soak", soak.bench_soak, cluster, url, res, args.soak_minutes, args.soak_rate)
     finally:
         if broker:
             broker.stop()
