@@ -135,6 +135,26 @@ async def _clients(urls: list[str], seconds: float, clients: int, ops: int, mark
     return {"accepted": accepted, "unknown": unknown, "codes": codes, "bad": bad, "slowest": slowest}
 
 
+def all_healthy(brokers: list) -> bool:
+    """Every broker answers /health within 60 s (each waited for)."""
+    healthy = True
+    for b in brokers:
+        try:
+            wait_healthy(b, 60)
+        except RuntimeError:
+            healthy = False
+    return healthy
+
+
+def record_expected(conn, queue: str, out: dict) -> None:
+    """What _clients saw, in bench.expected: accepted schedules, and those whose outcome is unknown."""
+    with conn.transaction(), conn.cursor() as cur:  # one commit, not one fsync per row
+        cur.executemany("INSERT INTO bench.expected (txn, queue, deliver_at) VALUES (%s, %s, %s) "
+                        "ON CONFLICT (txn) DO NOTHING", [(t, queue, d) for t, d in out["accepted"]])
+        cur.executemany("INSERT INTO bench.expected (txn, queue, kind) VALUES (%s, %s, 'unknown') "
+                        "ON CONFLICT (txn) DO NOTHING", [(t, queue) for t in out["unknown"]])
+
+
 def drill_failover(res: Results, seconds: float = 30, fsync: str = "on", detect_s: float = 1.0,
                    clients: int = 4, ops: int = 16) -> bool:
     log(f"\n== drill: failover ({seconds:g} s of HTTP schedules over 2 brokers on a multi-host URL; "
@@ -163,20 +183,11 @@ def drill_failover(res: Results, seconds: float = 30, fsync: str = "on", detect_
         th = threading.Thread(target=killer, daemon=True)
         out = asyncio.run(_clients([b.url for b in brokers], seconds, clients, ops, marks, on_start=th.start))
         th.join(120)
-        healthy = True
-        for b in brokers:
-            try:
-                wait_healthy(b, 60)
-            except RuntimeError:
-                healthy = False
+        healthy = all_healthy(brokers)
         new = pair.url(pair.standby_port)
         with connect(new) as conn:
             in_recovery = conn.execute("SELECT pg_is_in_recovery()").fetchone()[0]
-            with conn.transaction(), conn.cursor() as cur:  # one commit, not one fsync per row
-                cur.executemany("INSERT INTO bench.expected (txn, queue, deliver_at) VALUES (%s, %s, %s) "
-                                "ON CONFLICT (txn) DO NOTHING", [(t, QUEUE, d) for t, d in out["accepted"]])
-                cur.executemany("INSERT INTO bench.expected (txn, queue, kind) VALUES (%s, %s, 'unknown') "
-                                "ON CONFLICT (txn) DO NOTHING", [(t, QUEUE) for t in out["unknown"]])
+            record_expected(conn, QUEUE, out)
             drained = wait_until(lambda: conn.execute("SELECT count(*) FROM queen.timers").fetchone()[0] == 0,
                                  90, 0.2)
             # a promoted standby has no table statistics activity of its own (they are not

@@ -30,8 +30,8 @@ from pathlib import Path
 
 import psycopg
 
-from failover import _clients
-from harness import ROOT, connect, fate, log, start_broker, wait_healthy, wait_until
+from failover import _clients, all_healthy, record_expected
+from harness import ROOT, connect, fate, log, start_broker, wait_until
 
 CELL = str(ROOT / "scripts" / "patroni-cell")
 DB = "queen"
@@ -108,19 +108,10 @@ def _round(cell: PatroniCell, url: str, brokers: list, n: int, how: str, seconds
     th = threading.Thread(target=killer, daemon=True)
     out = asyncio.run(_clients([b.url for b in brokers], seconds, 4, 16, marks, on_start=th.start, queue=queue))
     th.join(90)
-    healthy = True
-    for b in brokers:
-        try:
-            wait_healthy(b, 60)
-        except RuntimeError:
-            healthy = False
+    healthy = all_healthy(brokers)
     after = cell.leader()
     with connect(url) as conn:
-        with conn.transaction(), conn.cursor() as cur:
-            cur.executemany("INSERT INTO bench.expected (txn, queue, deliver_at) VALUES (%s, %s, %s) "
-                            "ON CONFLICT (txn) DO NOTHING", [(t, queue, d) for t, d in out["accepted"]])
-            cur.executemany("INSERT INTO bench.expected (txn, queue, kind) VALUES (%s, %s, 'unknown') "
-                            "ON CONFLICT (txn) DO NOTHING", [(t, queue) for t in out["unknown"]])
+        record_expected(conn, queue, out)
         drained = wait_until(lambda: conn.execute("SELECT count(*) FROM queen.timers t JOIN queen.queues q "
                                                   "ON q.name = t.queue WHERE t.queue = %s", (queue,)
                                                   ).fetchone()[0] == 0, 90, 0.2)
