@@ -64,6 +64,14 @@ LOG_WEIGHT = 16
 # QUEEN_POP_MAX_BYTES while it fetches, then by what it fetched.
 POP_WEIGHT = 16
 POP_MESSAGE_WEIGHT = 4096
+POP_MAX_MESSAGES = 10000  # the largest pop batch (routes_log.MAX_BATCH)
+
+
+def heaviest_request(max_body_bytes: int, log_max_body_bytes: int, pop_max_bytes: int) -> int:
+    """The weight of the heaviest legal request: a timer batch, a log body or a pop.
+    A tenant's half of the budget must hold it (config checks; the default is twice it)."""
+    return max(max_body_bytes * TIMERS_WEIGHT, log_max_body_bytes * LOG_WEIGHT,
+               pop_max_bytes * POP_WEIGHT + POP_MAX_MESSAGES * POP_MESSAGE_WEIGHT)
 # A chunked body (no Content-Length) is weighed in steps of this much.
 CHUNKED_STEP_BYTES = 1 << 20
 
@@ -252,7 +260,7 @@ class JsonScanner:
     (commas plus arrays and objects: an upper bound), or the array of the top-level
     member `member` holds more than member_cap elements.
 
-    It keeps the bytes for one parse at the end (`kept`), except that each element
+    It keeps the bytes for one parse at the end (finish), except that each element
     of the member array is cut out as soon as it is complete, parsed alone, given
     to on_item, and replaced by `0` in the kept text: the timer route decodes an
     operation's base64 while the next one arrives, and never holds the text."""
@@ -464,18 +472,6 @@ def parse_json(raw: bytes, *, limit: int = MAX_JSON_DEPTH, max_values: int | Non
 # ---------------------------------------------------------------------------
 # reading a body
 # ---------------------------------------------------------------------------
-
-async def read_body(request: Request, *, timers: bool = False) -> bytes:
-    """The whole body, never more than the route's cap of it in memory (the budget
-    is held as for read_json)."""
-    chunks = bytearray()
-
-    def keep(chunk: bytes) -> None:
-        chunks.extend(chunk)
-
-    await _stream(request, keep, timers=timers)
-    return bytes(chunks)
-
 
 async def _stream(request: Request, consume: Callable[[bytes], None], *, timers: bool) -> int:
     """Feed the body to `consume` chunk by chunk, under the route's cap and the

@@ -465,7 +465,7 @@ def _verdict(r: dict) -> dict:
 
 
 def cmd_schedule(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from .routes_timers import ENCRYPTING_QUEUES_SQL, SCHEDULE_SQL, _encrypt_ops, _parse_ops, _schedule_params
+    from .routes_timers import ENCRYPTING_QUEUES_SQL, SCHEDULE_SQL, _encrypt_ops, _parse_ops, _schedule_call
 
     if args.file is not None:
         if args.queue is not None or args.key is not None:
@@ -503,9 +503,7 @@ def cmd_schedule(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
         progress = Progress("operations sent", len(ops), args.progress)
         for start in range(0, len(ops), size):
             batch = ops[start:start + size]
-            params = _schedule_params(batch)  # the route's arrays (staged: None, the bytes inline)
-            params.update(tenant=args.tenant, producer_sub=None, horizon_ms=settings.timers_horizon_ms,
-                          tenancy=settings.tenancy, max_ops=settings.timers_max_ops)
+            params = _schedule_call(batch, args.tenant, None, settings)  # the route's (the bytes inline)
             try:
                 rows = _guard(lambda: conn.execute(SCHEDULE_SQL, params).fetchall())
             except CliError as exc:

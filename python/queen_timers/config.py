@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import psycopg
 from psycopg.conninfo import conninfo_to_dict
 
-from .bodies import LOG_WEIGHT, POP_MESSAGE_WEIGHT, POP_WEIGHT, TIMERS_WEIGHT, default_max_body_bytes
+from .bodies import LOG_WEIGHT, POP_WEIGHT, TIMERS_WEIGHT, default_max_body_bytes, heaviest_request
 
 
 class ConfigError(ValueError):
@@ -151,14 +151,11 @@ class Settings:
             timers_max_ops=(max_ops := _int(env, "QUEEN_TIMERS_MAX_OPS", 256, 1)),
             max_body_bytes=(max_body := _int(env, "QUEEN_MAX_BODY_BYTES", default_max_body_bytes(max_ops), 1)),
             log_max_body_bytes=(log_max := _int(env, "QUEEN_LOG_MAX_BODY_BYTES", 8 * 1024 * 1024, 1)),
-            body_budget_bytes=_int(env, "QUEEN_BODY_BUDGET_BYTES",
-                                   2 * max(max_body * TIMERS_WEIGHT, log_max * LOG_WEIGHT,
-                                           _int(env, "QUEEN_POP_MAX_BYTES", 16 * 1024 * 1024, 1) * POP_WEIGHT
-                                           + 10000 * POP_MESSAGE_WEIGHT), 1),
+            pop_max_bytes=(pop_max := _int(env, "QUEEN_POP_MAX_BYTES", 16 * 1024 * 1024, 1)),
+            body_budget_bytes=_int(env, "QUEEN_BODY_BUDGET_BYTES", 2 * heaviest_request(max_body, log_max, pop_max), 1),
             body_wait_ms=_int(env, "QUEEN_BODY_WAIT_MS", 5000, 0),
             body_timeout_ms=_int(env, "QUEEN_BODY_TIMEOUT_MS", 120000, 1),
             head_timeout_ms=_int(env, "QUEEN_HEAD_TIMEOUT_MS", 10000, 1),
-            pop_max_bytes=_int(env, "QUEEN_POP_MAX_BYTES", 16 * 1024 * 1024, 1),
             max_connections=_int(env, "QUEEN_MAX_CONNECTIONS", 1000, 1),
             json_max_values=_int(env, "QUEEN_JSON_MAX_VALUES", 1_000_000, 1),
             timers_stage_bytes=_int(env, "QUEEN_TIMERS_STAGE_BYTES", 4 * 1024 * 1024, 0),
@@ -175,8 +172,7 @@ class Settings:
             # libpq's floor is 2 s; 0 would mean "wait forever" there, which the broker never does
             connect_timeout_s=_int(env, "QUEEN_CONNECT_TIMEOUT_S", 5, 2),
         )
-        largest = max(settings.max_body_bytes * TIMERS_WEIGHT, settings.log_max_body_bytes * LOG_WEIGHT,
-                      settings.pop_max_bytes * POP_WEIGHT + 10000 * POP_MESSAGE_WEIGHT)
+        largest = heaviest_request(settings.max_body_bytes, settings.log_max_body_bytes, settings.pop_max_bytes)
         if settings.body_budget_bytes // 2 < largest:
             # a tenant may hold half the budget: the largest legal request must fit in that half
             raise ConfigError(f"QUEEN_BODY_BUDGET_BYTES must be at least {2 * largest} (twice the weight of the "

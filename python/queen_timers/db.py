@@ -136,19 +136,18 @@ async def bounded(conn: AsyncConnection, settings: Settings):
 async def fetch_bounded(conn: AsyncConnection, settings: Settings, sql: str, params: tuple) -> list:
     """One statement's rows, under the broker's statement timeout (see bounded) when `conn`
     goes through the pooler (a dedicated connection on QUEEN_DIRECT_DATABASE_URL does not)."""
-    if getattr(conn, "info", None) is not None and _is_direct(conn, settings):
-        cur = await conn.execute(sql, params)
-        return await cur.fetchall()
-    async with bounded(conn, settings):
+    async with (contextlib.nullcontext(conn) if conn in _DIRECT else bounded(conn, settings)):
         cur = await conn.execute(sql, params)
         return await cur.fetchall()
 
 
+# connections made on QUEEN_DIRECT_DATABASE_URL behind a pooler: their timeout rides on the session
 _DIRECT: "weakref.WeakSet[AsyncConnection]" = weakref.WeakSet()
 
 
-def _is_direct(conn: AsyncConnection, settings: Settings) -> bool:
-    return not pooled(settings) or conn in _DIRECT
+def array_param(values: list) -> list | None:
+    """A binary array parameter; all NULL is sent as NULL (psycopg cannot type it)."""
+    return values if any(v is not None for v in values) else None
 
 
 def read_only_server(conn: psycopg.AsyncConnection | psycopg.Connection) -> bool:

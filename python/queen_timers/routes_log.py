@@ -25,7 +25,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from . import convertors, payloads  # noqa: F401 (convertors: registers {x:anypath})
+from . import convertors, db, payloads  # noqa: F401 (convertors: registers {x:anypath})
 from .auth import READ_ONLY, READ_WRITE
 from .bodies import PAYLOAD_CEILING_BYTES, POP_MESSAGE_WEIGHT, POP_WEIGHT, read_json
 from .errors import ApiError, bad_request, check_json_unicode, check_text, from_exception
@@ -223,11 +223,6 @@ async def _parse_push_items(items: list) -> list[tuple]:
     return parsed
 
 
-def _array(values: list) -> list | None:
-    """A binary array parameter; all NULL is sent as NULL (psycopg cannot type it)."""
-    return values if any(v is not None for v in values) else None
-
-
 async def _encrypt_items(conn, settings, tenant: str, parsed: list[tuple]) -> list[tuple]:
     """The items with their stored bytes and is_encrypted: encrypted when the
     tenant's queue encrypts at rest and this broker has the key (as Queen)."""
@@ -270,8 +265,8 @@ async def push(request: Request) -> JSONResponse:
                           ORDER BY x.n),
                    %s)""",
             # binary arrays: bytea in text would be hex, built and sent at twice the size
-            (principal.tenant, [r[0] for r in rows], [r[1] for r in rows], _array([r[2] for r in rows]),
-             _array([r[3] for r in rows]), [r[4] for r in rows], [r[5] for r in rows], principal.sub))
+            (principal.tenant, [r[0] for r in rows], [r[1] for r in rows], db.array_param([r[2] for r in rows]),
+             db.array_param([r[3] for r in rows]), [r[4] for r in rows], [r[5] for r in rows], principal.sub))
         results = await cur.fetchall()
         if sum(len(r[4]) for r in rows) > DISCARD_AFTER_BYTES:
             request.app.state.pool.discard(conn)  # closed once committed (see DISCARD_AFTER_BYTES)

@@ -405,8 +405,16 @@ def _schedule_params(ops: list[dict]) -> dict:
             raw_size.append(o["raw_size"])
     names = ("op", "queue", "timer_key", "delay_ms", "txn", "payload", "partition", "payload_zstd",
              "encrypted", "raw_size")
-    params = {name: (col if any(v is not None for v in col) else None) for name, col in zip(names, cols)}
+    params = {name: db.array_param(col) for name, col in zip(names, cols)}
     params["staged"] = None
+    return params
+
+
+def _schedule_call(ops: list[dict], tenant: str, producer_sub: str | None, settings, **extra) -> dict:
+    """SCHEDULE_SQL's parameters: the ops' arrays and the caller's and broker's settings."""
+    params = _schedule_params(ops)
+    params.update(tenant=tenant, producer_sub=producer_sub, horizon_ms=settings.timers_horizon_ms,
+                  tenancy=settings.tenancy, max_ops=settings.timers_max_ops, **extra)
     return params
 
 
@@ -428,9 +436,7 @@ async def schedule(request: Request) -> Response:
     async def work(conn):
         upserts = sorted({o["queue"] for o in ops if o["op"] != "cancel"})
         cur = conn.cursor(row_factory=tuple_row)
-        params = _schedule_params(ops)
-        params.update(tenant=principal.tenant, producer_sub=principal.sub, horizon_ms=settings.timers_horizon_ms,
-                      tenancy=settings.tenancy, max_ops=settings.timers_max_ops, encrypt_check=upserts or None)
+        params = _schedule_call(ops, principal.tenant, principal.sub, settings, encrypt_check=upserts or None)
         await cur.execute(SCHEDULE_JSON_SQL, params)
         encrypting, results = await cur.fetchone()
         if encrypting:  # nothing was written: encrypt those queues' payloads, then the batch alone
@@ -466,10 +472,7 @@ async def _schedule_staged(conn, ops: list[dict], staged: int, principal, settin
                 if o["op"] != "cancel":
                     await copy.write_row((batch, n, o["payload"]))
                     o["payload"] = o["plain"] = None  # PostgreSQL has the bytes now
-        params = _schedule_params(ops)
-        params.update(tenant=principal.tenant, producer_sub=principal.sub, horizon_ms=settings.timers_horizon_ms,
-                      tenancy=settings.tenancy, max_ops=settings.timers_max_ops, encrypt_check=None,
-                      staged=batch)
+        params = _schedule_call(ops, principal.tenant, principal.sub, settings, encrypt_check=None, staged=batch)
         await cur.execute(SCHEDULE_JSON_SQL, params)
         _, results = await cur.fetchone()
     return results
