@@ -230,10 +230,15 @@ class BodyBudgetRelease:
         try:
             await self.app(scope, receive, send)
         finally:
-            budget = scope.get("app") and scope["app"].state.body_budget
-            if budget is not None and HELD_KEY in scope:
-                if budget.release(scope) >= TRIM_AFTER_BYTES:
-                    trim_malloc()
+            release_body(scope)
+
+
+def release_body(scope) -> None:
+    """Give back what the request of `scope` holds of the body budget (if anything)."""
+    if HELD_KEY in scope:
+        budget = scope.get("app") and scope["app"].state.body_budget
+        if budget is not None and budget.release(scope) >= TRIM_AFTER_BYTES:
+            trim_malloc()
 
 
 # ---------------------------------------------------------------------------
@@ -457,13 +462,18 @@ class JsonTooDeep(JsonLimit):
     """The text nests deeper than the limit."""
 
 
+def values_bound(raw: bytes) -> int:
+    """An upper bound of the values in a JSON text (commas and brackets), in C."""
+    return raw.count(b",") + raw.count(b"[") + raw.count(b"{") + 1
+
+
 def parse_json(raw: bytes, *, limit: int = MAX_JSON_DEPTH, max_values: int | None = None) -> object:
     """Strict JSON from bytes, parsed whole; ValueError (with a reason) when it is not."""
     if json_depth_exceeds(raw, limit):
         raise JsonTooDeep(f"nests deeper than {limit} levels")
     # commas and brackets bound the values from above: only a body near the
     # cap pays for the exact scan
-    if max_values is not None and raw.count(b",") + raw.count(b"[") + raw.count(b"{") + 1 > max_values:
+    if max_values is not None and values_bound(raw) > max_values:
         scanner = JsonScanner(max_values=max_values, max_depth=limit)
         scanner.feed(raw)
     return _loads(raw)
@@ -522,14 +532,18 @@ async def read_json(request: Request, *, empty: object = ..., unicode: bool = Fa
                     timers: bool = False, member: str | None = None, member_cap: int | None = None,
                     member_refusal: Callable[[int], str] | None = None,
                     on_item: Callable[[object], object] | None = None,
-                    kept_cap: int | None = None, item_cap: int | None = None) -> object:
+                    kept_cap: int | None = None, item_cap: int | None = None,
+                    fast: Callable[[bytes, int], object] | None = None) -> object:
     """The body as JSON (400 timers_bad_request when it is not, 413 when too
     large, 503 when the budget has no room in time). `empty`, when given, is the
     value of an empty body. No string can hold a lone surrogate: the parser
     (orjson) refuses one, 400 (`unicode` is accepted for the callers that ask
     for that explicitly). timers=True: the timer route's cap and
     weight. member/member_cap/on_item: the top-level member whose array is
-    counted and cut out element by element as it arrives (see JsonScanner)."""
+    counted and cut out element by element as it arrives (see JsonScanner).
+    fast(raw, max_values): a route's fast path for a body read whole; what it
+    returns (not None) is the answer. It returns None for anything it cannot
+    prove valid, and the checks and refusals below then run as ever."""
     max_values = request.app.state.settings.json_max_values
     small = bytearray()
     scanner: JsonScanner | None = None
@@ -557,6 +571,8 @@ async def read_json(request: Request, *, empty: object = ..., unicode: bool = Fa
                 raw = bytes(small)
                 if not raw and empty is not ...:
                     return empty
+                if fast is not None and (done := fast(raw, max_values)) is not None:
+                    return done
                 raw.decode("utf-8")  # UnicodeDecodeError is a ValueError
                 return parse_json(raw, max_values=max_values)
             body = scanner.finish()

@@ -243,7 +243,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     uvicorn.run(create_app(settings), host=settings.host, port=settings.port,
                 log_level="warning", access_log=False, loop="uvloop",
                 http=JsonErrorHttpToolsProtocol.with_head_timeout(settings.head_timeout_ms / 1000),
-                limit_concurrency=settings.max_connections)
+                limit_concurrency=settings.max_connections,
+                # nothing reads the client's address: X-Forwarded-For is not rewritten into it
+                proxy_headers=False)
     return EXIT_OK
 
 

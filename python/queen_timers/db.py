@@ -42,7 +42,7 @@ from psycopg import AsyncConnection
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from psycopg.pq import ConnStatus
 from psycopg.rows import dict_row
-from psycopg_pool import AsyncConnectionPool
+from psycopg_pool import AsyncConnectionPool, PoolTimeout
 
 from .config import Settings
 from .errors import ReadOnlyServer
@@ -150,6 +150,25 @@ def array_param(values: list) -> list | None:
     return values if any(v is not None for v in values) else None
 
 
+class JsonText:
+    """A parameter that is JSON text already (orjson's bytes): sent as it is, typed json."""
+    __slots__ = ("data",)
+
+    def __init__(self, data: bytes):
+        self.data = data
+
+
+class _JsonTextDumper(psycopg.adapt.Dumper):
+    oid = 114  # json
+
+    def dump(self, obj: JsonText) -> bytes:
+        return obj.data
+
+
+# registered before any connection exists: every connection's adapters inherit it
+psycopg.adapters.register_dumper(JsonText, _JsonTextDumper)
+
+
 def read_only_server(conn: psycopg.AsyncConnection | psycopg.Connection) -> bool:
     """True when the server says (ParameterStatus, no round trip) it takes no writes.
 
@@ -198,21 +217,41 @@ class BrokerPool(AsyncConnectionPool):
         super().__init__(*args, **kwargs)
         self.writable = writable
         self.settings = settings
+        self.pooled = pooled(settings) and bool(settings.statement_timeout_ms)
         self._discard: set[int] = set()
 
     @contextlib.asynccontextmanager
     async def connection(self, timeout: float | None = None):
         """A connection for one request's work: in a transaction with the statement
         timeout behind a transaction pooler (see bounded); closed instead of kept when
-        the work asked for it (discard)."""
-        async with super().connection(timeout) as conn:
-            try:
+        the work asked for it (discard). The connections are autocommit: there is no
+        transaction of psycopg's to end (its connection() would commit one anyway)."""
+        conn = await self.getconn(timeout)
+        try:
+            if self.pooled:
                 async with bounded(conn, self.settings):
                     yield conn
-            finally:
-                if id(conn) in self._discard:
-                    self._discard.discard(id(conn))
-                    await conn.close()  # the pool drops a closed connection and opens another
+            else:
+                yield conn
+        finally:
+            if id(conn) in self._discard:
+                self._discard.discard(id(conn))
+                await conn.close()  # the pool drops a closed connection and opens another
+            await self.putconn(conn)
+
+    async def _get_ready_connection(self, timeout: float | None) -> AsyncConnection | None:
+        """psycopg_pool's, last in first out: the connection used last (its server
+        process warm in a CPU's caches) serves the next request, and the idle ones
+        at the other end are those the pool closes when it shrinks. psycopg_pool
+        takes the oldest: at a few requests at once every call woke another server
+        process (a DELETE's p50 went from 0.88 to 1.2 ms with four connections)."""
+        if timeout is not None and timeout <= 0.0:
+            raise PoolTimeout()
+        if not self._pool:
+            return await super()._get_ready_connection(timeout)  # none idle: its queue rules
+        conn = self._pool.pop()
+        self._nconns_min = min(self._nconns_min, len(self._pool))
+        return conn
 
     def discard(self, conn: AsyncConnection) -> None:
         """Close `conn` once its work is done (committed) rather than keep it: libpq keeps

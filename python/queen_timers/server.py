@@ -69,6 +69,51 @@ class HeadTooLarge(Exception):
     """Raised from a parser callback: llhttp stops and raises HttpParserCallbackError."""
 
 
+class OneWrite:
+    """A request cycle's transport that sends a response's head with its body.
+
+    uvicorn writes the status line and headers on http.response.start and the
+    body on http.response.body: two send() calls, two TCP segments, and the
+    client woken twice for a small answer. This holds the head of a response
+    that has a body to come (a Content-Length above 0) and writes it with the
+    first piece of the body. Anything else goes through at once: a 100 Continue,
+    a chunked or empty response, an answer to HEAD; close() writes a head still
+    held first (a response that failed after its start ends as before)."""
+
+    __slots__ = ("_transport", "_cycle", "_head", "_sent_head")
+    JOIN_BYTES = 64 * 1024  # a larger body is written after the head, not copied onto it
+
+    def __init__(self, transport, cycle):
+        self._transport, self._cycle = transport, cycle
+        self._head: bytes | None = None
+        self._sent_head = False
+
+    def write(self, data: bytes) -> None:
+        head = self._head
+        if head is not None:
+            self._head = None
+            if len(data) <= self.JOIN_BYTES:
+                self._transport.write(head + data)
+                return
+            self._transport.write(head)
+        elif not self._sent_head and self._cycle.response_started:
+            self._sent_head = True  # the first write after the start is the head
+            c = self._cycle
+            if c.chunked_encoding is False and c.expected_content_length > 0 and c.scope["method"] != "HEAD":
+                self._head = data
+                return
+        self._transport.write(data)
+
+    def close(self) -> None:
+        if self._head is not None:
+            self._transport.write(self._head)
+            self._head = None
+        self._transport.close()
+
+    def __getattr__(self, name):
+        return getattr(self._transport, name)
+
+
 class JsonErrorHttpToolsProtocol(HttpToolsProtocol):
     head_timeout_s = 10.0  # with_head_timeout() makes a class with the broker's setting
     _head_bytes = 0
@@ -114,6 +159,8 @@ class JsonErrorHttpToolsProtocol(HttpToolsProtocol):
         self._head_open = False
         self._stop_head_timer()
         super().on_headers_complete()
+        if self.cycle is not None and not isinstance(self.cycle.transport, OneWrite):
+            self.cycle.transport = OneWrite(self.transport, self.cycle)
 
     def data_received(self, data: bytes) -> None:
         # httptools buffers a header's name or value until it ends, so on_header

@@ -1,0 +1,190 @@
+"""POST /api/v1/timers' fast path (routes_timers._fast_batch) against the general one.
+
+The fast path checks a batch column by column and hands PostgreSQL the columns it
+was sent; the general path (_parse_ops, _schedule_params) checks field by field and
+owns every refusal. The fast path may decline anything, but what it accepts the
+general path must accept too, with the same columns. No database: pure functions.
+"""
+
+from __future__ import annotations
+
+import base64
+import copy
+import json
+
+import orjson
+import pytest
+
+from queen_timers.bodies import parse_json
+from queen_timers.errors import ApiError
+from queen_timers.routes_timers import FastBatch, _fast_batch, _parse_ops, _schedule_params
+
+MAX_OPS = 256
+MAX_VALUES = 100_000
+STAGE = 4 * 1024 * 1024
+
+
+def op(i: int, **over) -> dict:
+    o = {"op": "schedule", "queue": "q", "timerKey": f"k-{i}", "delayMs": 1000 + i, "txn": f"t-{i}",
+         "payload": base64.b64encode(b'{"n": %d}' % i).decode()}
+    o.update(over)
+    return {k: v for k, v in o.items() if v is not ...}
+
+
+def body(*ops, **extra) -> bytes:
+    return json.dumps({"operations": list(ops), **extra}).encode()
+
+
+def general(raw: bytes):
+    """What the route's general path makes of a small body: the columns, or the refusal."""
+    try:
+        raw.decode("utf-8")
+        doc = parse_json(raw, max_values=MAX_VALUES)
+        return _columns(_schedule_params(_parse_ops(doc, MAX_OPS)))
+    except ApiError as exc:
+        return exc
+    except ValueError as exc:  # read_json's 400 for text that is not JSON
+        return exc
+
+
+def _columns(params: dict) -> dict:
+    cols = orjson.loads(params["ops"].data)
+    cols["payload"] = [None if p is None else base64.b64decode(p) for p in cols.get("payload", [])]
+    return cols
+
+
+def fast(raw: bytes, max_values: int = MAX_VALUES, stage: int = STAGE):
+    got = _fast_batch(raw, max_values, max_ops=MAX_OPS, stage_bytes=stage)
+    if got is None:
+        return None
+    assert isinstance(got, FastBatch)
+    return _columns({"ops": type("P", (), {"data": orjson.dumps(
+        {k: v for k, v in got.columns.items() if any(x is not None for x in v)})})})
+
+
+ACCEPTED = {
+    "plain": body(*(op(i) for i in range(256))),
+    "reschedule": body(op(0, op="reschedule"), op(1)),
+    "partition": body(op(0, partition="p1"), op(1)),
+    "encrypted flag": body(op(0, encrypted=False), op(1, encrypted=True)),
+    "zstd false": body(op(0, payloadZstd=False), op(1)),
+    "nulls": body(op(0, partition=None, encrypted=None, payloadZstd=None)),
+    "empty payload": body(op(0, payload="")),
+    "padding": body(op(0, payload="QQ=="), op(1, payload="QUI="), op(2, payload="QUJD")),
+    "non-canonical bits": body(op(0, payload="QR=="), op(1, payload="QUJ=")),
+    "limits": body(op(0, queue="q" * 255, timerKey="k" * 1024, txn="t" * 255, partition="p" * 255,
+                      delayMs=2 ** 63 - 1), op(1, delayMs=-(2 ** 63))),
+    "two queues": body(op(0, queue="a"), op(0, queue="b")),
+}
+
+
+@pytest.mark.parametrize("name", sorted(ACCEPTED))
+def test_the_fast_path_takes_the_common_batches_with_the_general_paths_columns(name):
+    raw = ACCEPTED[name]
+    want = general(raw)
+    assert not isinstance(want, Exception), want
+    got = fast(raw)
+    assert got is not None, f"{name}: the fast path declined"
+    assert got == want
+
+
+DECLINED = {
+    # what the general path refuses: the fast path must leave it to it
+    "not json": b'{"operations": [',
+    "not utf-8": b'{"operations": [{"op": "schedule", "queue": "\xff"}]}',
+    "lone surrogate": body(op(0, queue="\\ud800")).replace(b"\\\\ud800", b"\\ud800"),
+    "not an object": b"[]",
+    "extra member": body(op(0), extra=1),
+    "operations not a list": b'{"operations": {}}',
+    "op not an object": b'{"operations": [1]}',
+    "too many": body(*(op(i) for i in range(257))),
+    "unknown op": body(op(0, op="fire")),
+    "unknown field": body(op(0, color="red")),
+    "server owned": body(op(0, messageId="x")),
+    "underscore": body(op(0, _x=1)),
+    "no queue": body(op(0, queue=...)),
+    "empty queue": body(op(0, queue="")),
+    "queue not a string": body(op(0, queue=5)),
+    "queue too long": body(op(0, queue="q" * 256)),
+    "key too long": body(op(0, timerKey="k" * 1025)),
+    "txn too long": body(op(0, txn="t" * 256)),
+    "NUL in key": body(op(0, timerKey="a\x00b")),
+    "no txn on schedule": body(op(0, txn=...)),
+    "empty txn": body(op(0, txn="")),
+    "duplicate": body(op(0), op(0)),
+    "no delay": body(op(0, delayMs=...)),
+    "float delay": body(op(0, delayMs=1.5)),
+    "bool delay": body(op(0, delayMs=True)),
+    "string delay": body(op(0, delayMs="5")),
+    "huge delay": body(op(0, delayMs=2 ** 63)),
+    "tiny delay": body(op(0, delayMs=-(2 ** 63) - 1)),
+    "empty partition": body(op(0, partition="")),
+    "partition not a string": body(op(0, partition=3)),
+    "partition too long": body(op(0, partition="p" * 256)),
+    "zstd not bool": body(op(0, payloadZstd="yes")),
+    "encrypted not bool": body(op(0, encrypted=1)),
+    "no payload": body(op(0, payload=...)),
+    "payload not a string": body(op(0, payload=5)),
+    "payload bad chars": body(op(0, payload="QU*D")),
+    "payload no padding": body(op(0, payload="QQ")),
+    "payload short padding": body(op(0, payload="QQ=")),
+    "payload newline": body(op(0, payload="QUJD\nQUJD")),
+    "payload space": body(op(0, payload=" QUJD")),
+    "payload urlsafe": body(op(0, payload="-_-_")),
+    "payload excess padding": body(op(0, payload="QUI==")),
+    "deep field": body(op(0, partition=[[[[["x"]]]]])),
+}
+
+# the general path takes these; the fast path leaves them to it (cancel, zstd, names
+# that are not ASCII, a reschedule without txn, an empty batch)
+GENERAL_ONLY = {
+    "cancel": body(op(0), {"op": "cancel", "queue": "q", "timerKey": "k-9"}),
+    "zstd": body(op(0, payloadZstd=True, payload=base64.b64encode(
+        __import__("zstandard").ZstdCompressor().compress(b"{}")).decode())),
+    "non-ascii": body(op(0, queue="café")),
+    "reschedule without txn": body(op(0, op="reschedule", txn=...)),
+    "empty batch": body(),
+}
+
+
+@pytest.mark.parametrize("name", sorted(DECLINED))
+def test_the_fast_path_declines_what_the_general_path_refuses(name):
+    raw = DECLINED[name]
+    want = general(raw)
+    assert isinstance(want, Exception), f"{name}: the general path accepted it"
+    assert fast(raw) is None
+
+
+@pytest.mark.parametrize("name", sorted(GENERAL_ONLY))
+def test_the_general_path_keeps_what_the_fast_path_declines(name):
+    raw = GENERAL_ONLY[name]
+    assert not isinstance(general(raw), Exception)
+    assert fast(raw) is None
+
+
+def test_the_fast_path_declines_a_batch_past_the_value_bound_or_to_stage():
+    raw = ACCEPTED["plain"]
+    assert fast(raw, max_values=100) is None  # the general path's exact count decides
+    assert fast(raw, stage=1000) is None      # ~2.5 KB of payloads: the staged path
+    assert fast(raw, stage=10_000) is not None
+
+
+def test_mutations_never_make_the_fast_path_accept_what_the_general_path_refuses():
+    """Every single-field mutation of a valid operation by a hostile value: whatever
+    the fast path accepts, the general path accepts with the same columns."""
+    hostile = [None, "", " ", "x" * 1100, "\x00", "é", 0, -1, 1.0, True, False, [], {}, "QQ", "QQ==", "====",
+               2 ** 63, -(2 ** 63), "schedule", "cancel", "reschedule"]
+    base = op(0)
+    seen_fast = 0
+    for field in ("op", "queue", "timerKey", "delayMs", "txn", "payload", "partition", "payloadZstd",
+                  "encrypted", "extra"):
+        for value in hostile:
+            o = copy.deepcopy(base)
+            o[field] = value
+            raw = body(o, op(1))
+            got, want = fast(raw), general(raw)
+            if got is not None:
+                seen_fast += 1
+                assert not isinstance(want, Exception), (field, value, want)
+                assert got == want, (field, value)
+    assert seen_fast > 10  # the fast path did take the legal mutations
