@@ -204,7 +204,7 @@ def main() -> int:
                     help="QUEEN_SWEEPER_BATCH_BYTES of the rss broker (0: the default)")
     ap.add_argument("--sched-batches", type=int, default=100)
     ap.add_argument("--sched-rounds", type=int, default=5, help="schedule section: rotating rounds (>= 5)")
-    ap.add_argument("--clients", type=int, default=4)
+    ap.add_argument("--clients", default="1,4", help="schedule section: the client counts, each its own rounds")
     ap.add_argument("--lag-rate", type=int, default=1000)
     ap.add_argument("--lag-seconds", type=float, default=60)
     ap.add_argument("--growth-sizes", default="10000,100000,1000000")
@@ -295,8 +295,8 @@ def main() -> int:
         section("fire", perf.bench_fire_throughput, url, broker, res, args.fire_n, args.fire_rounds,
                 args.fire_alt_batch if args.fire_alt_batch and args.fire_alt_batch != perf.BATCH else None)
         section("scale", scale.bench_scale, cluster, url, broker, res, args.scale_n, args.scale_rounds)
-        section("schedule", schedule.bench_schedule, url, broker, res, args.sched_batches, args.clients,
-                args.sched_rounds)
+        section("schedule", schedule.bench_schedule, url, broker, res, args.sched_batches,
+                [int(c) for c in str(args.clients).split(",") if c.strip()], args.sched_rounds)
         section("lag", perf.bench_lag, url, broker, res, args.lag_rate, args.lag_seconds)
         section("lag2", scale.bench_lag_brokers, cluster, url, broker, res, args.lag2_rate, args.lag2_seconds,
                 args.lag2_brokers, args.lag2_target_ms)

@@ -69,7 +69,9 @@ const graphile = {
 const pgboss = {
   version: () => require(path.join(NM, "pg-boss", "package.json")).version,
   async setup() {
-    const PgBoss = require(path.join(NM, "pg-boss"));
+    // pg-boss 11+ is an ES module exporting { PgBoss }; Node >= 20.19 require()s it
+    const mod = require(path.join(NM, "pg-boss"));
+    const PgBoss = mod.PgBoss || mod.default || mod;
     this.boss = new PgBoss({ connectionString: cfg.url, max: 8, supervise: true, schedule: false });
     this.boss.on("error", (e) => console.error("pg-boss error", e.message));
     await this.boss.start();
@@ -77,27 +79,29 @@ const pgboss = {
     await this.boss.createQueue(QUEUE);
     this.pool = new Pool({ connectionString: cfg.url, max: 2 });
   },
-  async teardown() { await this.boss.stop({ graceful: false, wait: true, timeout: 5000 }).catch(() => {}); await this.pool.end(); },
+  async teardown() { await this.boss.stop({ graceful: false, timeout: 5000 }).catch(() => {}); await this.pool.end(); },
   async addBatch(jobs) {
     // insert: the batch API (one statement per call); id set by the caller so that it can cancel by id
-    await this.boss.insert(jobs.map((j) => ({ id: j.id, name: QUEUE, data: j.payload, startAfter: j.runAt })));
+    await this.boss.insert(QUEUE, jobs.map((j) => ({ id: j.id, data: j.payload, startAfter: j.runAt })));
   },
   async count() {
     return Number((await this.pool.query("SELECT count(*) FROM pgboss.job WHERE name = $1 AND state < 'active'", [QUEUE])).rows[0].count);
   },
   async cancelOne(id) { await this.boss.cancel(QUEUE, id); return true; },
   async work(concurrency, pollMs, onJob) {
-    // pg-boss 10: one work() call polls and runs one batch at a time; concurrency = that many work() calls
-    const opts = { batchSize: 1 };
+    // one work() with localConcurrency workers, each fetching batchSize (default 1) jobs per poll
+    // tuned: batch_size jobs per fetch, fetching again at once while a fetch comes back full
+    const opts = { batchSize: cfg.batch_size || 1, localConcurrency: concurrency };
+    if (cfg.batch_size > 1) opts.burstWhenBatchFull = true;
     if (pollMs) opts.pollingIntervalSeconds = pollMs / 1000;
-    const ids = [];
-    for (let i = 0; i < concurrency; i++) {
-      ids.push(await this.boss.work(QUEUE, opts, async (jobs) => { for (const j of jobs) onJob(j.data); }));
-    }
-    return async () => { for (const id of ids) await this.boss.offWork(id); };
+    const id = await this.boss.work(QUEUE, opts, async (jobs) => { for (const j of jobs) onJob(j.data); });
+    return async () => { await this.boss.offWork(QUEUE, { id, wait: false }); };
   },
   defaults: { concurrency: 1, pollMs: 2000 },
-  settings(c, p) { return `work() x${c}, batchSize=1, pollingIntervalSeconds=${p / 1000}${c === 1 && p === 2000 ? " (defaults)" : ""}`; },
+  settings(c, p) {
+    const b = cfg.batch_size || 1;
+    return `localConcurrency=${c}, batchSize=${b}${b > 1 ? ", burstWhenBatchFull" : ""}, pollingIntervalSeconds=${p / 1000}${c === 1 && p === 2000 && b === 1 ? " (defaults)" : ""}`;
+  },
 };
 
 const SYSTEMS = { "graphile-worker": graphile, "pg-boss": pgboss };
