@@ -31,8 +31,9 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-import weakref
 import os
+import struct
+import weakref
 from importlib import resources
 from pathlib import Path
 from time import monotonic
@@ -150,23 +151,101 @@ def array_param(values: list) -> list | None:
     return values if any(v is not None for v in values) else None
 
 
-class JsonText:
-    """A parameter that is JSON text already (orjson's bytes): sent as it is, typed json."""
+# ---------------------------------------------------------------------------
+# One-dimensional arrays in PostgreSQL's binary format, built in bulk
+# ---------------------------------------------------------------------------
+# psycopg dumps a list element by element in Python (0.7 ms for the six arrays
+# of a 256-op schedule batch). These build the same bytes in a few C-level
+# passes (struct, bytes.join). Binary arrays are also what costs PostgreSQL
+# least: the same batch as one JSON parameter took 31 % more of the server's
+# CPU (json_to_record parses it twice; the payloads as base64 to decode).
+
+class BinaryArray:
+    """An array already in PostgreSQL's binary format (a %b parameter)."""
     __slots__ = ("data",)
+    OID = ELEMENT = 0
 
     def __init__(self, data: bytes):
         self.data = data
 
+    def __eq__(self, other) -> bool:
+        return type(other) is type(self) and other.data == self.data
 
-class _JsonTextDumper(psycopg.adapt.Dumper):
-    oid = 114  # json
+    __hash__ = None  # type: ignore[assignment]
 
-    def dump(self, obj: JsonText) -> bytes:
+
+class TextArray(BinaryArray):
+    __slots__ = ()
+    OID, ELEMENT = 1009, 25  # text[], text
+
+
+class ByteaArray(BinaryArray):
+    __slots__ = ()
+    OID, ELEMENT = 1001, 17  # bytea[], bytea
+
+
+class Int8Array(BinaryArray):
+    __slots__ = ()
+    OID, ELEMENT = 1016, 20  # bigint[], bigint
+
+
+class Int4Array(BinaryArray):
+    __slots__ = ()
+    OID, ELEMENT = 1007, 23  # integer[], integer
+
+
+class BoolArray(BinaryArray):
+    __slots__ = ()
+    OID, ELEMENT = 1000, 16  # boolean[], boolean
+
+
+_ARRAY_HEAD = struct.Struct("!iiIii")  # dimensions, has-NULL flag, element OID, length, lower bound
+_NULL = struct.pack("!i", -1)
+_FIXED = {Int8Array: (8, "q"), Int4Array: (4, "i"), BoolArray: (1, "?")}
+
+
+def binary_array(kind: type[BinaryArray], values: list) -> BinaryArray | None:
+    """`values` (None for NULL) as a `kind` parameter; None (SQL NULL) when every value
+    is None, as array_param. Text is encoded as UTF-8: callers have refused lone surrogates."""
+    n = len(values)
+    nulls = values.count(None)
+    if nulls == n:
+        return None
+    head = _ARRAY_HEAD.pack(1, 1 if nulls else 0, kind.ELEMENT, n, 1)
+    if kind in _FIXED:
+        size, code = _FIXED[kind]
+        if not nulls:  # length and value n times, in one pack
+            flat = [size] * (2 * n)
+            flat[1::2] = values
+            return kind(head + struct.pack("!" + ("i" + code) * n, *flat))
+        one = struct.Struct("!i" + code)
+        return kind(head + b"".join(_NULL if v is None else one.pack(size, v) for v in values))
+    items = values
+    if kind is TextArray:
+        items = [None if v is None else v.encode() for v in values] if nulls else [v.encode() for v in values]
+    if nulls:
+        lengths = [-1 if v is None else len(v) for v in items]
+        items = [b"" if v is None else v for v in items]
+    else:
+        lengths = list(map(len, items))
+    prefixes = struct.pack(f"!{n}i", *lengths)
+    parts: list = [None] * (2 * n)
+    parts[0::2] = [prefixes[i:i + 4] for i in range(0, 4 * n, 4)]
+    parts[1::2] = items
+    return kind(head + b"".join(parts))
+
+
+class _BinaryArrayDumper(psycopg.adapt.Dumper):
+    format = psycopg.pq.Format.BINARY
+
+    def dump(self, obj: BinaryArray) -> bytes:
         return obj.data
 
 
-# registered before any connection exists: every connection's adapters inherit it
-psycopg.adapters.register_dumper(JsonText, _JsonTextDumper)
+for _kind in (TextArray, ByteaArray, Int8Array, Int4Array, BoolArray):
+    # registered before any connection exists: every connection's adapters inherit them
+    psycopg.adapters.register_dumper(_kind, type(f"{_kind.__name__}Dumper", (_BinaryArrayDumper,),
+                                                {"oid": _kind.OID}))
 
 
 def read_only_server(conn: psycopg.AsyncConnection | psycopg.Connection) -> bool:
