@@ -43,7 +43,7 @@ from psycopg import AsyncConnection
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from psycopg.pq import ConnStatus
 from psycopg.rows import dict_row
-from psycopg_pool import AsyncConnectionPool
+from psycopg_pool import AsyncConnectionPool, PoolTimeout
 
 from .config import Settings
 from .errors import ReadOnlyServer
@@ -317,6 +317,20 @@ class BrokerPool(AsyncConnectionPool):
                 self._discard.discard(id(conn))
                 await conn.close()  # the pool drops a closed connection and opens another
             await self.putconn(conn)
+
+    async def _get_ready_connection(self, timeout: float | None) -> AsyncConnection | None:
+        """psycopg_pool's, last in first out: the connection used last (its server
+        process warm in a CPU's caches) serves the next request, and the idle ones
+        at the other end are those the pool closes when it shrinks. psycopg_pool
+        takes the oldest: at a few requests at once every call woke another server
+        process (a DELETE's p50 went from 0.88 to 1.2 ms with four connections)."""
+        if timeout is not None and timeout <= 0.0:
+            raise PoolTimeout()
+        if not self._pool:
+            return await super()._get_ready_connection(timeout)  # none idle: its queue rules
+        conn = self._pool.pop()
+        self._nconns_min = min(self._nconns_min, len(self._pool))
+        return conn
 
     def discard(self, conn: AsyncConnection) -> None:
         """Close `conn` once its work is done (committed) rather than keep it: libpq keeps

@@ -196,3 +196,29 @@ def test_one_write_joins_a_head_with_its_body_and_passes_everything_else():
     w.write(b"head")
     w.write(big)
     assert t.writes == [b"head", big]  # a large body is not copied onto its head
+
+
+# ---------------------------------------------------------------------------
+# db.BrokerPool hands out the connection used last
+# ---------------------------------------------------------------------------
+
+def test_the_pool_hands_out_the_connection_returned_last(db, database_url):
+    from queen_timers.db import make_pool
+
+    async def main():
+        settings = Settings.from_env({"QUEEN_DATABASE_URL": database_url, "QUEEN_POOL_MIN": "3"})
+        pool = make_pool(settings)
+        await pool.open(wait=True)
+        try:
+            conns = [await pool.getconn() for _ in range(3)]
+            for c in conns:
+                await pool.putconn(c)
+            again = await pool.getconn()
+            assert again is conns[-1]  # psycopg_pool's own order would give conns[0]
+            await pool.putconn(again)
+            async with pool.connection() as c:
+                assert c is conns[-1]
+        finally:
+            await pool.close()
+
+    asyncio.run(main())
