@@ -428,6 +428,13 @@ class Soak:
                 f["examples"].append(f"{kind}: key {_key(i)} sched {st.sched[i]} follow {st.follow[i]} "
                                      f"pops {st.deliv[0][i]}/{st.deliv[1][i]}")
 
+        def once(pops: int, i: int) -> None:
+            """The timer's frame(s) should have been popped exactly once in all."""
+            if pops == 1:
+                f["delivered_once"] += 1
+            else:
+                bad("neither" if pops == 0 else "duplicated", i)
+
         for i in range(st.sent):
             d0, d1, s, fo = st.deliv[0][i], st.deliv[1][i], st.sched[i], st.follow[i]
             if s != S_OK:
@@ -442,12 +449,8 @@ class Soak:
                     f["rescheduled"] += 1
                     if d0:
                         bad("both", i)  # the replaced frame fired too
-                    elif d1 == 0:
-                        bad("neither", i)
-                    elif d1 > 1:
-                        bad("duplicated", i)
                     else:
-                        f["delivered_once"] += 1
+                        once(d1, i)
                 elif fo == F_SCHEDULED:  # the first had fired already: two timers, each once
                     f["resched_after_fire"] += 1
                     if d0 == 1 and d1 == 1:
@@ -458,12 +461,7 @@ class Soak:
                         bad("neither", i)
                 else:  # the reschedule's answer was lost: either frame, exactly one of them
                     f["ambiguous"] += 1
-                    if d0 + d1 == 1:
-                        f["delivered_once"] += 1
-                    elif d0 + d1 == 0:
-                        bad("neither", i)
-                    else:
-                        bad("duplicated", i)
+                    once(d0 + d1, i)
             elif kind == 7:  # cancelled
                 if fo == F_CANCELLED:
                     f["cancelled"] += 1
@@ -471,12 +469,7 @@ class Soak:
                         bad("both", i)
                 elif fo in (F_TOO_LATE, F_ABSENT):
                     f["too_late" if fo == F_TOO_LATE else "absent_after_fire"] += 1
-                    if d0 == 1:
-                        f["delivered_once"] += 1
-                    elif d0 == 0:
-                        bad("neither", i)
-                    else:
-                        bad("duplicated", i)
+                    once(d0, i)
                 else:  # the cancel's answer was lost: cancelled or delivered once, either is right
                     f["ambiguous"] += 1
                     if d0 > 1:
@@ -486,12 +479,7 @@ class Soak:
                     else:
                         f["cancelled"] += 1
             else:
-                if d0 == 1:
-                    f["delivered_once"] += 1
-                elif d0 == 0:
-                    bad("neither", i)
-                else:
-                    bad("duplicated", i)
+                once(d0, i)
             if d1 and kind != 3:
                 bad("duplicated", i)
         return f
