@@ -17,6 +17,7 @@ not found, not ok or failed, 2 bad arguments or bad input (nothing written).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import logging
 import os
@@ -240,7 +241,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
         logging.getLogger("queen_timers").info("applied migrations %s", applied)
     # httptools (llhttp, C) and uvloop: the request path's parsing and event loop in C
     # (bench/history/2026-12-03-cancel-issue-12.md); server.py keeps the JSON 400 and the 16 KiB head limit
-    uvicorn.run(create_app(settings), host=settings.host, port=settings.port,
+    app = create_app(settings)
+    # What is alive now (modules, the app) lives as long as the process: the
+    # collector stops walking it (freeze), and its youngest generation runs every
+    # 10,000 allocations instead of 700 (a 256-op batch makes about 1,000
+    # containers, freed by reference counts). With the defaults, gc took 3.5 %
+    # of the broker's CPU under bulk POSTs.
+    gc.freeze()
+    gc.set_threshold(10_000, 10, 10)
+    uvicorn.run(app, host=settings.host, port=settings.port,
                 log_level="warning", access_log=False, loop="uvloop",
                 http=JsonErrorHttpToolsProtocol.with_head_timeout(settings.head_timeout_ms / 1000),
                 limit_concurrency=settings.max_connections,

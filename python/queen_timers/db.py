@@ -201,6 +201,10 @@ class BoolArray(BinaryArray):
 
 _ARRAY_HEAD = struct.Struct("!iiIii")  # dimensions, has-NULL flag, element OID, length, lower bound
 _NULL = struct.pack("!i", -1)
+# the length words of elements up to 4 KiB (names, small payloads); index -1 is NULL's
+_LENGTHS_UPTO = 4096
+_LENGTHS = [struct.pack("!i", i) for i in range(_LENGTHS_UPTO)] + [_NULL]
+_LENGTH_CHARS = [word.decode("latin-1") for word in _LENGTHS]  # the same words as text, for ASCII arrays
 _FIXED = {Int8Array: (8, "q"), Int4Array: (4, "i"), BoolArray: (1, "?")}
 
 
@@ -220,17 +224,33 @@ def binary_array(kind: type[BinaryArray], values: list) -> BinaryArray | None:
             return kind(head + struct.pack("!" + ("i" + code) * n, *flat))
         one = struct.Struct("!i" + code)
         return kind(head + b"".join(_NULL if v is None else one.pack(size, v) for v in values))
+    if not nulls:
+        first = values[0]
+        if values.count(first) == n:  # one value n times (a batch's op, often its queue)
+            one = first.encode() if kind is TextArray else first
+            return kind(head + (struct.pack("!i", len(one)) + one) * n)
+        if kind is TextArray:
+            lengths = list(map(len, values))
+            if max(lengths) < _LENGTHS_UPTO and "".join(values).isascii():
+                # ASCII: a character is a byte; the words and values joined as text, encoded once
+                parts = [None] * (2 * n)
+                parts[0::2] = map(_LENGTH_CHARS.__getitem__, lengths)
+                parts[1::2] = values
+                return kind(head + "".join(parts).encode("latin-1"))
     items = values
     if kind is TextArray:
-        items = [None if v is None else v.encode() for v in values] if nulls else [v.encode() for v in values]
+        items = [None if v is None else v.encode() for v in values] if nulls else list(map(str.encode, values))
     if nulls:
         lengths = [-1 if v is None else len(v) for v in items]
         items = [b"" if v is None else v for v in items]
     else:
         lengths = list(map(len, items))
-    prefixes = struct.pack(f"!{n}i", *lengths)
     parts: list = [None] * (2 * n)
-    parts[0::2] = [prefixes[i:i + 4] for i in range(0, 4 * n, 4)]
+    if max(lengths) < _LENGTHS_UPTO:  # each element's length word from a table, in one C-level pass
+        parts[0::2] = map(_LENGTHS.__getitem__, lengths)  # -1 (NULL) is the table's last entry
+    else:
+        prefixes = struct.pack(f"!{n}i", *lengths)
+        parts[0::2] = [prefixes[i:i + 4] for i in range(0, 4 * n, 4)]
     parts[1::2] = items
     return kind(head + b"".join(parts))
 

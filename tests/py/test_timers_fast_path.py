@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import base64
 import copy
+import random
 import json
 
 import psycopg
@@ -123,6 +124,10 @@ DECLINED = {
     "payload no padding": body(op(0, payload="QQ")),
     "payload short padding": body(op(0, payload="QQ=")),
     "payload newline": body(op(0, payload="QUJD\nQUJD")),
+    "payload newline, length 4n": body(op(0, payload="QUJ\nQUJD")),
+    "payload inner padding": body(op(0, payload="QQ==QUJD")),
+    "payload inner single pad": body(op(1), op(0, payload="QUI=QUJD")),
+    "payload pads and newline": body(op(0, payload="QQ=\n")),
     "payload space": body(op(0, payload=" QUJD")),
     "payload urlsafe": body(op(0, payload="-_-_")),
     "payload excess padding": body(op(0, payload="QUI==")),
@@ -189,6 +194,17 @@ ARRAYS = [
     (qdb.TextArray, "text[]", ["a", None, "b"]),
     (qdb.ByteaArray, "bytea[]", [b"\x00\x01", b"", b"zz" * 1000]),
     (qdb.ByteaArray, "bytea[]", [None, b"q"]),
+    # the edges of the length-word table (elements under 4 KiB) and past it
+    (qdb.ByteaArray, "bytea[]", [b"a" * 4095, b"b" * 4096, b"c"]),
+    (qdb.ByteaArray, "bytea[]", [b"a" * 4095, None, b"c" * 70000]),
+    (qdb.TextArray, "text[]", ["x" * 4095, "y" * 4096]),
+    # one value n times, and ASCII columns (encoded as one text)
+    (qdb.TextArray, "text[]", ["schedule"] * 5),
+    (qdb.TextArray, "text[]", ["é"] * 3),
+    (qdb.TextArray, "text[]", [""] * 2),
+    (qdb.ByteaArray, "bytea[]", [b"\x00z"] * 4),
+    (qdb.TextArray, "text[]", ["a", "bc", "", "d\x7f\x01"]),
+    (qdb.TextArray, "text[]", ["a", "é", "b"]),
     (qdb.Int8Array, "bigint[]", [1, -(2 ** 63), 2 ** 63 - 1]),
     (qdb.Int8Array, "bigint[]", [None, 5]),
     (qdb.Int4Array, "integer[]", [1, None, -3, 2 ** 31 - 1]),
@@ -206,3 +222,43 @@ def test_binary_arrays_are_what_postgresql_reads(db, database_url):
                                       (param, values, param)).fetchone()
             assert same and back == values, (kind, values)
     assert qdb.binary_array(qdb.TextArray, [None, None]) is None  # all NULL: the parameter is NULL
+
+
+def test_random_payload_texts_decode_alike_or_are_declined():
+    """The fast path decodes base64 while it parses (msgspec): over random texts of the
+    alphabet, padding and strangers, whatever it accepts the general path decodes to
+    the same bytes."""
+    rng = random.Random(19)
+    taken = 0
+    for n in range(0, 13):
+        for _ in range(300):
+            text = "".join(rng.choice("AQB+/=-_\n ") for _ in range(n))
+            raw = body(op(0, payload=text), op(1))
+            got, want = fast(raw), general(raw)
+            if got is not None:
+                taken += 1
+                assert not isinstance(want, Exception), text
+                assert got == want, text
+    assert taken > 50
+
+
+def test_duplicate_members_are_read_as_the_general_path_reads_them():
+    """A JSON object may repeat a name; both parsers keep the last value (or the fast
+    path declines): never two readings of one body."""
+    one = '"op": "schedule", "queue": "q", "timerKey": "k-0", "delayMs": 5, "txn": "t", "payload": "QUJD"'
+    bodies = [
+        '{"operations": [{%s, "op": "reschedule"}]}' % one,
+        '{"operations": [{%s, "queue": "other"}]}' % one,
+        '{"operations": [{%s, "payload": "QQ=="}]}' % one,
+        '{"operations": [{%s, "delayMs": 7}]}' % one,
+        '{"operations": [{%s, "txn": null}]}' % one,
+        '{"operations": [{%s, "partition": "p", "partition": null}]}' % one,
+        '{"operations": [], "operations": [{%s}]}' % one,
+        '{"operations": [{%s}], "operations": [{%s, "timerKey": "k-1"}]}' % (one, one),
+    ]
+    for text in bodies:
+        raw = text.encode()
+        got, want = fast(raw), general(raw)
+        if got is not None:
+            assert not isinstance(want, Exception), text
+            assert got == want, text

@@ -216,3 +216,60 @@ def test_metering_counts_schedules_and_reschedules_not_cancels(client, db):
     usage = db.execute("SELECT queen.get_pending_timers(tenant) AS pending_timers, billed_messages "
                        "FROM queen.tenant_usage").fetchone()
     assert usage == {"pending_timers": 1, "billed_messages": 3}
+
+
+def test_results_echo_every_name_exactly_and_match_the_rows(client, db):
+    # The broker writes the results from PostgreSQL's verdicts and its own copy
+    # of the names: names JSON must escape (quotes, backslashes, control
+    # characters, non-ASCII, commas and colons, which the verdict texts use as
+    # separators) come back exactly, beside plain ones, in a batch mixing every
+    # verdict: scheduled, rescheduled, a minted txn, cancelled, absent, too_late.
+    odd = ['q"uote', "back\\slash", "tab\there", "new\nline", "caf\u00e9 \u2603", "a,b:c", "\x7fdel", "plain"]
+    post(client, op("schedule", "claimed", queue="held"))
+    _claim(db)
+    post(client, op("schedule", "k-resched", queue="plain"), op("schedule", "k-cancel", queue="plain"))
+    batch = [op("schedule", f"key {name}", queue=name, txn=f"txn {name}") for name in odd]
+    batch += [op("reschedule", "k-resched", queue="plain"),  # no txn: PostgreSQL mints one
+              op("cancel", "k-cancel", queue="plain"),
+              op("cancel", "never", queue="plain", txn="t,1:x"),
+              op("reschedule", "claimed", queue="held", txn="late")]
+    r = post(client, *batch)
+    assert r.status_code == 200, r.text
+    results = r.json()["results"]
+    assert [(v["queue"], v["timerKey"]) for v in results] == [(o["queue"], o["timerKey"]) for o in batch]
+    assert [v["status"] for v in results] == ["scheduled"] * len(odd) + ["rescheduled", "cancelled", "absent",
+                                                                          "too_late"]
+    assert [v["ok"] for v in results] == [True] * (len(odd) + 2) + [False, False]
+    stored = {(x["queue"], x["timer_key"]): x for x in rows(db)}
+    for v, o in zip(results, batch):
+        if v["status"] in ("scheduled", "rescheduled"):
+            row = stored[(v["queue"], v["timerKey"])]
+            assert v["messageId"] == str(row["message_id"]) and v["txn"] == row["txn"]
+            at = db.execute("SELECT to_char(%s::timestamptz AT TIME ZONE 'UTC', "
+                            "'YYYY-MM-DD\"T\"HH24:MI:SS.US\"Z\"') AS s", (row["deliver_at"],)).fetchone()["s"]
+            assert v["deliverAt"] == at
+        else:
+            assert v["messageId"] is None and v["deliverAt"] is None
+        if "txn" in o:
+            assert v["txn"] == o["txn"]
+    minted = results[len(odd)]["txn"]
+    assert minted and str(uuid.UUID(minted)) == minted  # a uuid, not an echo of nothing
+    assert results[len(odd) + 1]["txn"] is None and results[len(odd) + 2]["txn"] == "t,1:x"
+
+
+def test_an_empty_batch_answers_empty_results(client, db):
+    r = client.post("/api/v1/timers", json={"operations": []})
+    assert r.status_code == 200 and r.json() == {"results": []}
+    assert rows(db) == []
+
+
+def test_fast_batch_results_escape_ascii_names(client, db):
+    # schedule-only ASCII batches take the column-by-column path: quotes,
+    # backslashes and control characters in its echoes are escaped too
+    names = ['q"uote', "back\\slash", "tab\there", "\x01ctl", "a,b:c", "plain"]
+    batch = [op("schedule", f"k{n} {name}", queue=name, txn=f"t {name}") for n, name in enumerate(names)]
+    r = post(client, *batch)
+    assert r.status_code == 200, r.text
+    got = [(v["queue"], v["timerKey"], v["txn"], v["status"]) for v in r.json()["results"]]
+    assert got == [(o["queue"], o["timerKey"], o["txn"], "scheduled") for o in batch]
+    assert len(rows(db)) == len(names)
