@@ -162,13 +162,14 @@ def _plain(values: list) -> bool:
     return joined.isascii() and joined.isprintable() and '"' not in joined and "\\" not in joined
 
 
-def _results_json(verdicts: list[str], queue: list, key: list, txn: list) -> bytes:
+def _results_json(verdicts: list[str], queue: list, key: list, txn: list, plain: bool = False) -> bytes:
     """{"results": [...]} from SCHEDULE_JSON_SQL's verdict texts and the batch's
     own queue, timerKey and txn columns (one value per operation, in order).
     Every element is 7 values between 8 constant pieces: the pieces are laid
     out by slice assignment and joined once (a per-element format costs 1.5 us).
     A column of plain strings takes its quotes from the pieces; any other is
-    encoded element by element (orjson; null for None)."""
+    encoded element by element (orjson; null for None). plain: the caller knows
+    every name is plain (a minted txn, a uuid, is plain too)."""
     n = len(queue)
     if n == 0:
         return b'{"results":[]}'
@@ -185,7 +186,7 @@ def _results_json(verdicts: list[str], queue: list, key: list, txn: list) -> byt
     columns = [list(map(_OK_STATUSES.get, statuses, repeat("false"))), statuses, queue, key, txn, ids, ats]
     quoted = [False, True]
     for c in (2, 3, 4):
-        quoted.append(_plain(columns[c]))
+        quoted.append(plain or _plain(columns[c]))
         if not quoted[c]:
             columns[c] = [orjson.dumps(v).decode() for v in columns[c]]
     for c in (5, 6):  # a uuid or a timestamp; "-" for a verdict without one
@@ -492,10 +493,11 @@ def _schedule_params(ops: list[dict]) -> dict:
 class FastBatch:
     """A batch _fast_batch proved valid: its columns, and the body's text for the rarer
     path (a queue that encrypts at rest, read from the database) that needs _parse_ops."""
-    __slots__ = ("raw", "columns", "upserts")
+    __slots__ = ("raw", "columns", "upserts", "plain")
 
-    def __init__(self, raw: bytes, columns: dict[str, list], upserts: list[str]):
+    def __init__(self, raw: bytes, columns: dict[str, list], upserts: list[str], plain: bool = False):
         self.raw, self.columns, self.upserts = raw, columns, upserts
+        self.plain = plain  # every name its own JSON text between quotes (see _results_json)
 
     def ops(self, max_ops: int) -> list[dict]:
         return _parse_ops(orjson.loads(self.raw), max_ops)
@@ -525,7 +527,9 @@ class _FastBody(msgspec.Struct, forbid_unknown_fields=True, gc=False):
 _FAST_DECODER = msgspec.json.Decoder(_FastBody)
 _UPSERTS = frozenset(("schedule", "reschedule"))
 _NAME_LIMITS = ((1, MAX_QUEUE_BYTES), (2, MAX_TIMER_KEY_BYTES), (4, MAX_TXN_BYTES))
-_FAST_FIELDS = ("op", "queue", "timerKey", "delayMs", "txn", "payload", "partition", "payloadZstd", "encrypted")
+_FAST_FIELDS = tuple((name, b'"%s"' % name.encode())
+                     for name in ("op", "queue", "timerKey", "delayMs", "txn", "payload", "partition", "payloadZstd",
+                                  "encrypted"))
 
 
 def _names_ok(values: list[str], limit: int) -> bool:
@@ -552,7 +556,14 @@ def _fast_batch(raw: bytes, max_values: int, *, max_ops: int, stage_bytes: int) 
         return None
     if not 0 < len(ops) <= max_ops:
         return None
-    cols: list[list | None] = [list(map(attrgetter(name), ops)) for name in _FAST_FIELDS]
+    # With no backslash in the text, no name was written with an escape: a field
+    # whose name the text lacks is absent from every operation (not mapped), and
+    # every string is its own JSON between quotes (no quote, backslash or control
+    # character: msgspec refuses the raw ones)
+    escaped = b"\\" in raw
+    cols: list[list | None] = [list(map(attrgetter(name), ops)) if escaped or i < 6 or quoted in raw
+                               else [None] * len(ops)
+                               for i, (name, quoted) in enumerate(_FAST_FIELDS)]
     op, queue, key, delay, txn, payload, partition, zstd, encrypted = cols
     if not set(op) <= _UPSERTS:
         return None
@@ -576,7 +587,8 @@ def _fast_batch(raw: bytes, max_values: int, *, max_ops: int, stage_bytes: int) 
         cols[8] = None
     if sum(map(len, payload)) > stage_bytes:
         return None  # the staged path
-    return FastBatch(raw, {k: v for k, v in zip(COLUMNS, cols) if v is not None}, sorted(set(queue)))
+    return FastBatch(raw, {k: v for k, v in zip(COLUMNS, cols) if v is not None}, sorted(set(queue)),
+                     plain=not escaped)
 
 
 def _schedule_call(ops: list[dict] | FastBatch, tenant: str, producer_sub: str | None, settings,
@@ -627,7 +639,7 @@ async def schedule(request: Request) -> Response:
     verdicts = await _run(request, work, hint=True)
     if isinstance(batch, FastBatch):
         cols = batch.columns
-        return Response(_results_json(verdicts, cols["queue"], cols["timer_key"], cols["txn"]),
+        return Response(_results_json(verdicts, cols["queue"], cols["timer_key"], cols["txn"], batch.plain),
                         media_type="application/json")
     return Response(_results_json(verdicts, *_echo_columns(batch)), media_type="application/json")
 

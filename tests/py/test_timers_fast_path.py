@@ -70,6 +70,11 @@ ACCEPTED = {
     "limits": body(op(0, queue="q" * 255, timerKey="k" * 1024, txn="t" * 255, partition="p" * 255,
                       delayMs=2 ** 63 - 1), op(1, delayMs=-(2 ** 63))),
     "two queues": body(op(0, queue="a"), op(0, queue="b")),
+    # field names written with escapes: the text lacks "partition" and "encrypted",
+    # yet the operations have them
+    "escaped names": body(op(0, partition="p1", encrypted=True), op(1)).replace(
+        b'"partition"', b'"partit\\u0069on"').replace(b'"encrypted"', b'"\\u0065ncrypted"'),
+    "escaped values": body(op(0, queue='q"1', timerKey="k\\1", txn="t\t1"), op(1)),
 }
 
 
