@@ -527,13 +527,14 @@ class _FastBody(msgspec.Struct, forbid_unknown_fields=True, gc=False):
 _FAST_DECODER = msgspec.json.Decoder(_FastBody)
 _UPSERTS = frozenset(("schedule", "reschedule"))
 _NAME_LIMITS = ((1, MAX_QUEUE_BYTES), (2, MAX_TIMER_KEY_BYTES), (4, MAX_TXN_BYTES))
-_FAST_FIELDS = tuple((name, b'"%s"' % name.encode())
-                     for name in ("op", "queue", "timerKey", "delayMs", "txn", "payload", "partition", "payloadZstd",
-                                  "encrypted"))
+_FAST_FIELDS = ("op", "queue", "timerKey", "delayMs", "txn", "payload", "partition", "payloadZstd", "encrypted")
+_OPTIONAL = attrgetter(*_FAST_FIELDS[6:])
 
 
 def _names_ok(values: list[str], limit: int) -> bool:
     """Every value non-empty ASCII without NUL, within `limit` bytes."""
+    if values and values.count(values[0]) == len(values):  # one value n times (a batch's queue)
+        values = values[:1]
     if not all(values):
         return False
     joined = "".join(values)
@@ -556,39 +557,38 @@ def _fast_batch(raw: bytes, max_values: int, *, max_ops: int, stage_bytes: int) 
         return None
     if not 0 < len(ops) <= max_ops:
         return None
-    # With no backslash in the text, no name was written with an escape: a field
-    # whose name the text lacks is absent from every operation (not mapped), and
-    # every string is its own JSON between quotes (no quote, backslash or control
-    # character: msgspec refuses the raw ones)
-    escaped = b"\\" in raw
-    cols: list[list | None] = [list(map(attrgetter(name), ops)) if escaped or i < 6 or quoted in raw
-                               else [None] * len(ops)
-                               for i, (name, quoted) in enumerate(_FAST_FIELDS)]
+    cols: list[list | None] = [list(map(attrgetter(name), ops)) for name in _FAST_FIELDS[:6]]
+    # the optional fields, mapped only where some operation gives one
+    optional = set(map(_OPTIONAL, ops)) != {(None, None, None)}
+    cols += [list(map(attrgetter(name), ops)) if optional else None for name in _FAST_FIELDS[6:]]
     op, queue, key, delay, txn, payload, partition, zstd, encrypted = cols
     if not set(op) <= _UPSERTS:
         return None
     if not all(_names_ok(cols[i], limit) for i, limit in _NAME_LIMITS):  # type: ignore[arg-type]
         return None
-    if len(set(zip(queue, key))) != len(ops):
+    one_queue = queue.count(queue[0]) == len(queue)
+    if len(set(key) if one_queue else set(zip(queue, key))) != len(ops):  # no (queue, timerKey) twice
         return None
     if min(delay) < INT64_MIN or max(delay) > INT64_MAX:
         return None
-    if partition.count(None) == len(ops):  # a column no operation gives is all NULL: not sent
-        cols[6] = None
-    else:
-        given = [p for p in partition if p is not None]
-        if not _names_ok(given, MAX_PARTITION_BYTES):
+    if optional:  # a column no operation gives is all NULL: not sent
+        if partition.count(None) == len(ops):
+            cols[6] = None
+        elif not _names_ok([p for p in partition if p is not None], MAX_PARTITION_BYTES):
             return None
-    if True in zstd:
-        return None
-    if zstd.count(None) == len(ops):
-        cols[7] = None
-    if encrypted.count(None) == len(ops):
-        cols[8] = None
+        if True in zstd:
+            return None
+        if zstd.count(None) == len(ops):
+            cols[7] = None
+        if encrypted.count(None) == len(ops):
+            cols[8] = None
     if sum(map(len, payload)) > stage_bytes:
         return None  # the staged path
+    # with no backslash in the text, no string was written with an escape: every
+    # one is its own JSON between quotes (no quote, backslash or control character:
+    # msgspec refuses raw ones)
     return FastBatch(raw, {k: v for k, v in zip(COLUMNS, cols) if v is not None}, sorted(set(queue)),
-                     plain=not escaped)
+                     plain=b"\\" not in raw)
 
 
 def _schedule_call(ops: list[dict] | FastBatch, tenant: str, producer_sub: str | None, settings,
