@@ -101,21 +101,24 @@ SELECT v.ordinal, v.ok, v.status, v.queue, v.timer_key, v.txn, v.message_id, v.d
 # timerKey and txn from the batch it validated (schedule_timers echoes them
 # too) and writes the JSON (_results_json): json_agg(json_build_object(...))
 # of the same verdicts cost PostgreSQL 1.2 ms per 256-op batch, this 0.25 ms.
-# The batch is an uncorrelated subquery (an InitPlan), which PostgreSQL runs
-# only when the CASE reaches it: a batch for an encrypting queue writes
-# nothing here, is encrypted and sent again without the check.
+# The batch is a lateral subquery under `WHERE e.queues IS NULL`, a qual with
+# no column of its own that PostgreSQL plans as a one-time filter: when a queue
+# encrypts, the batch is never executed (test_timers_encryption: scheduled, not
+# rescheduled, billed once); it is encrypted and sent again without the check.
+# Two text columns, not an array: psycopg parses a text[] in Python.
 SCHEDULE_JSON_SQL = f"""
-SELECT e.queues,
-       CASE WHEN e.queues IS NULL THEN (
-           SELECT ARRAY[coalesce(string_agg(concat_ws(' ', v.status, coalesce(v.message_id::text, '-'),
-                                                      coalesce(to_char(v.deliver_at AT TIME ZONE 'UTC',
-                                                                       'YYYY-MM-DD"T"HH24:MI:SS.US"Z"'), '-')),
-                                            ' ' ORDER BY v.ordinal), ''),
-                        coalesce(string_agg(v.ordinal || ':' || v.txn, ',')
-                                   FILTER (WHERE v.txn IS DISTINCT FROM (%(txn)b::text[])[v.ordinal]), '')]
-             FROM ({SCHEDULE_SQL}) AS v) END
+SELECT e.queues, r.triples, r.minted
   FROM (SELECT array_agg(q) AS queues
           FROM queen.encrypted_queues(%(tenant)s, %(encrypt_check)b::text[]) AS q) AS e
+  LEFT JOIN LATERAL (
+       SELECT coalesce(string_agg(concat_ws(' ', v.status, coalesce(v.message_id::text, '-'),
+                                            coalesce(to_char(v.deliver_at AT TIME ZONE 'UTC',
+                                                             'YYYY-MM-DD"T"HH24:MI:SS.US"Z"'), '-')),
+                                  ' ' ORDER BY v.ordinal), '') AS triples,
+              coalesce(string_agg(v.ordinal || ':' || v.txn, ',')
+                         FILTER (WHERE v.txn IS DISTINCT FROM (%(txn)b::text[])[v.ordinal]), '') AS minted
+         FROM ({SCHEDULE_SQL}) AS v
+        WHERE e.queues IS NULL) AS r ON true
 """
 
 # the caller's queues only: a queue name is unique per tenant, not per cell
@@ -627,13 +630,13 @@ async def schedule(request: Request) -> Response:
         cur = conn.cursor(row_factory=tuple_row)
         params = _schedule_call(batch, principal.tenant, principal.sub, settings, encrypt_check=upserts or None)
         await cur.execute(SCHEDULE_JSON_SQL, params)
-        encrypting, verdicts = await cur.fetchone()
+        encrypting, *verdicts = await cur.fetchone()
         if encrypting:  # nothing was written: encrypt those queues' payloads, then the batch alone
             ops = batch.ops(max_ops) if isinstance(batch, FastBatch) else batch
             _encrypt_ops(ops, set(encrypting), settings.encryption_key)
             params.update(_schedule_params(ops), encrypt_check=None)
             await cur.execute(SCHEDULE_JSON_SQL, params)
-            encrypting, verdicts = await cur.fetchone()
+            encrypting, *verdicts = await cur.fetchone()
         return verdicts
 
     verdicts = await _run(request, work, hint=True)
@@ -671,7 +674,7 @@ async def _schedule_staged(conn, ops: list[dict], staged: int, principal, settin
                     o["payload"] = o["plain"] = None  # PostgreSQL has the bytes now
         params = _schedule_call(ops, principal.tenant, principal.sub, settings, encrypt_check=None, staged=batch)
         await cur.execute(SCHEDULE_JSON_SQL, params)
-        _, verdicts = await cur.fetchone()
+        _, *verdicts = await cur.fetchone()
     return verdicts
 
 
