@@ -508,10 +508,11 @@ class FastBatch:
 
 class _FastOp(msgspec.Struct, forbid_unknown_fields=True, gc=False):
     """One operation of the common batch. msgspec checks each JSON type as it parses
-    (an integer delayMs, strings, booleans; an unknown field, a null where a string
-    is required or a duplicate... all fail the decode) and decodes the payload from
-    standard base64, strictly: what b64decode(validate=True) refuses it refuses too
-    (it also refuses excess padding, which the general path then takes)."""
+    (an integer delayMs, strings, booleans; an unknown field or a null where a string
+    is required fails the decode; a repeated member keeps its last value, as orjson
+    does) and decodes the payload from standard base64, strictly: what
+    b64decode(validate=True) refuses it refuses too (it also refuses excess padding,
+    which the general path then takes)."""
     op: str
     queue: str
     timerKey: str
