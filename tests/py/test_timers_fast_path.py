@@ -19,7 +19,8 @@ import pytest
 from queen_timers.bodies import parse_json
 from queen_timers.errors import ApiError
 from queen_timers import db as qdb
-from queen_timers.routes_timers import FastBatch, _array_params, _fast_batch, _parse_ops, _schedule_params
+from queen_timers.routes_timers import (SCHEDULE_JSON_SQL, SCHEDULE_PACKED_JSON_SQL, FastBatch, _array_params,
+                                        _fast_batch, _parse_ops, _route_statement, _schedule_params)
 
 MAX_OPS = 256
 MAX_VALUES = 100_000
@@ -267,3 +268,35 @@ def test_duplicate_members_are_read_as_the_general_path_reads_them():
         if got is not None:
             assert not isinstance(want, Exception), text
             assert got == want, text
+
+
+def test_packed_names_write_what_the_arrays_write(database_url):
+    """The route sends a fast batch's names as three texts joined by U+001F: the same
+    batch through the packed statement and through the arrays writes the same rows
+    with the same verdicts (each in a transaction rolled back); a name holding the
+    separator keeps the arrays."""
+    from types import SimpleNamespace
+    settings = SimpleNamespace(timers_horizon_ms=90 * 24 * 3600 * 1000, tenancy=False, timers_max_ops=MAX_OPS)
+    who = SimpleNamespace(tenant="default", sub=None)
+    raw = body(op(0, queue="q a", timerKey='k "0",:', txn="t\\0"), op(1, queue="q a", partition="p"),
+               op(2, queue="q-b", op="reschedule", timerKey="\x7fk"), op(3, queue="q-b", payload=""))
+    batch = _fast_batch(raw, MAX_VALUES, max_ops=MAX_OPS, stage_bytes=STAGE)
+    assert isinstance(batch, FastBatch)
+    sql, params = _route_statement(batch, who, settings, batch.upserts)
+    assert sql == SCHEDULE_PACKED_JSON_SQL and isinstance(params["timer_key"], str)
+    arrays = dict(params, **_array_params(batch.columns))
+    seen = []
+    with psycopg.connect(database_url) as conn:
+        for statement, p in ((SCHEDULE_PACKED_JSON_SQL, params), (SCHEDULE_JSON_SQL, arrays)):
+            queues, triples, minted = conn.execute(statement, p).fetchone()
+            rows = conn.execute("SELECT queue, timer_key, txn, payload, partition FROM queen.timers "
+                                "ORDER BY queue, timer_key").fetchall()
+            conn.rollback()
+            seen.append((queues, triples.split(" ")[0::3], minted, rows))
+    assert seen[0] == seen[1]
+    assert seen[0][1] == ["scheduled"] * 4 and len(seen[0][3]) == 4
+    # the separator in a name: the arrays
+    raw = body(op(0, timerKey="a\x1fb"), op(1))
+    batch = _fast_batch(raw, MAX_VALUES, max_ops=MAX_OPS, stage_bytes=STAGE)
+    assert isinstance(batch, FastBatch)
+    assert _route_statement(batch, who, settings, batch.upserts)[0] == SCHEDULE_JSON_SQL
