@@ -218,6 +218,8 @@ def binary_array(kind: type[BinaryArray], values: list) -> BinaryArray | None:
     head = _ARRAY_HEAD.pack(1, 1 if nulls else 0, kind.ELEMENT, n, 1)
     if kind in _FIXED:
         size, code = _FIXED[kind]
+        if not nulls and values.count(values[0]) == n:  # one value n times (a batch's one delay)
+            return kind(head + struct.pack("!i" + code, size, values[0]) * n)
         if not nulls:  # length and value n times, in one pack
             flat = [size] * (2 * n)
             flat[1::2] = values

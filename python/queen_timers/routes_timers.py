@@ -171,6 +171,7 @@ def iso(value: datetime | None) -> str | None:
 # timer-routes.md; _results_json writes them all with one join.
 _RESULT_FIELDS = ("ok", "status", "queue", "timerKey", "txn", "messageId", "deliverAt")
 _OK_STATUSES = {"scheduled": "true", "rescheduled": "true", "cancelled": "true"}
+_UPSERTED = frozenset(("scheduled", "rescheduled"))
 
 
 def _plain(values: list) -> bool:
@@ -203,7 +204,11 @@ def _results_json(verdicts: list[str], queue: list, key: list, txn: list, plain:
     if len(flat) != 3 * n:
         raise RuntimeError(f"{len(flat)} verdict values for {n} operations")
     statuses, ids, ats = flat[0::3], flat[1::3], flat[2::3]
-    columns = [list(map(_OK_STATUSES.get, statuses, repeat("false"))), statuses, queue, key, txn, ids, ats]
+    if set(statuses) <= _UPSERTED:  # every verdict ok: one constant for the column
+        oks: object = repeat("true", n)
+    else:
+        oks = list(map(_OK_STATUSES.get, statuses, repeat("false")))
+    columns = [oks, statuses, queue, key, txn, ids, ats]
     quoted = [False, True]
     for c in (2, 3, 4):
         quoted.append(plain or _plain(columns[c]))
@@ -608,8 +613,8 @@ def _fast_batch(raw: bytes, max_values: int, *, max_ops: int, stage_bytes: int) 
     # with no backslash in the text, no string was written with an escape: every
     # one is its own JSON between quotes (no quote, backslash or control character:
     # msgspec refuses raw ones)
-    return FastBatch(raw, {k: v for k, v in zip(COLUMNS, cols) if v is not None}, sorted(set(queue)),
-                     plain=b"\\" not in raw)
+    return FastBatch(raw, {k: v for k, v in zip(COLUMNS, cols) if v is not None},
+                     queue[:1] if one_queue else sorted(set(queue)), plain=b"\\" not in raw)
 
 
 def _schedule_call(ops: list[dict] | FastBatch, tenant: str, producer_sub: str | None, settings,

@@ -206,6 +206,9 @@ ARRAYS = [
     (qdb.TextArray, "text[]", ["x" * 4095, "y" * 4096]),
     # one value n times, and ASCII columns (encoded as one text)
     (qdb.TextArray, "text[]", ["schedule"] * 5),
+    (qdb.Int8Array, "bigint[]", [3_600_000] * 4),
+    (qdb.Int4Array, "integer[]", [-7] * 3),
+    (qdb.BoolArray, "boolean[]", [False] * 2),
     (qdb.TextArray, "text[]", ["é"] * 3),
     (qdb.TextArray, "text[]", [""] * 2),
     (qdb.ByteaArray, "bytea[]", [b"\x00z"] * 4),
