@@ -216,29 +216,27 @@ def binary_array(kind: type[BinaryArray], values: list) -> BinaryArray | None:
     if nulls == n:
         return None
     head = _ARRAY_HEAD.pack(1, 1 if nulls else 0, kind.ELEMENT, n, 1)
+    if not nulls and values.count(values[0]) == n:  # one value n times (a batch's op, queue, delay)
+        first = values[0]
+        one = (struct.pack("!" + _FIXED[kind][1], first) if kind in _FIXED
+               else first.encode() if kind is TextArray else first)
+        return kind(head + (struct.pack("!i", len(one)) + one) * n)
     if kind in _FIXED:
         size, code = _FIXED[kind]
-        if not nulls and values.count(values[0]) == n:  # one value n times (a batch's one delay)
-            return kind(head + struct.pack("!i" + code, size, values[0]) * n)
         if not nulls:  # length and value n times, in one pack
             flat = [size] * (2 * n)
             flat[1::2] = values
             return kind(head + struct.pack("!" + ("i" + code) * n, *flat))
         one = struct.Struct("!i" + code)
         return kind(head + b"".join(_NULL if v is None else one.pack(size, v) for v in values))
-    if not nulls:
-        first = values[0]
-        if values.count(first) == n:  # one value n times (a batch's op, often its queue)
-            one = first.encode() if kind is TextArray else first
-            return kind(head + (struct.pack("!i", len(one)) + one) * n)
-        if kind is TextArray:
-            lengths = list(map(len, values))
-            if max(lengths) < _LENGTHS_UPTO and "".join(values).isascii():
-                # ASCII: a character is a byte; the words and values joined as text, encoded once
-                parts = [None] * (2 * n)
-                parts[0::2] = map(_LENGTH_CHARS.__getitem__, lengths)
-                parts[1::2] = values
-                return kind(head + "".join(parts).encode("latin-1"))
+    if not nulls and kind is TextArray:
+        lengths = list(map(len, values))
+        if max(lengths) < _LENGTHS_UPTO and "".join(values).isascii():
+            # ASCII: a character is a byte; the words and values joined as text, encoded once
+            parts = [None] * (2 * n)
+            parts[0::2] = map(_LENGTH_CHARS.__getitem__, lengths)
+            parts[1::2] = values
+            return kind(head + "".join(parts).encode("latin-1"))
     items = values
     if kind is TextArray:
         items = [None if v is None else v.encode() for v in values] if nulls else list(map(str.encode, values))
