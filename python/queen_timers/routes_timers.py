@@ -105,9 +105,10 @@ SELECT v.ordinal, v.ok, v.status, v.queue, v.timer_key, v.txn, v.message_id, v.d
 # no column of its own that PostgreSQL plans as a one-time filter: when a queue
 # encrypts, the batch is never executed (test_timers_encryption: scheduled, not
 # rescheduled, billed once); it is encrypted and sent again without the check.
-# Two text columns, not an array: psycopg parses a text[] in Python.
+# Every column is a text (db.fetch_row reads texts): the encrypting queues as a
+# JSON array, NULL when none.
 SCHEDULE_JSON_SQL = f"""
-SELECT e.queues, r.triples, r.minted
+SELECT to_json(e.queues)::text, r.triples, r.minted
   FROM (SELECT array_agg(q) AS queues
           FROM queen.encrypted_queues(%(tenant)s, %(encrypt_check)b::text[]) AS q) AS e
   LEFT JOIN LATERAL (
@@ -137,6 +138,8 @@ def _packed(sql: str) -> str:
 
 
 SCHEDULE_PACKED_JSON_SQL = _packed(SCHEDULE_JSON_SQL)
+# run by db.fetch_row, compiled once
+_STATEMENTS = {sql: db.Statement(sql) for sql in (SCHEDULE_JSON_SQL, SCHEDULE_PACKED_JSON_SQL)}
 
 # the caller's queues only: a queue name is unique per tenant, not per cell
 ENCRYPTING_QUEUES_SQL = "SELECT queen.encrypted_queues(%s, %s::text[]) AS name"
@@ -633,6 +636,7 @@ def _with_settings(params: dict, tenant: str, producer_sub: str | None, settings
 def _route_statement(batch: list[dict] | FastBatch, principal, settings, upserts: list[str]) -> tuple[str, dict]:
     """The route's statement and its parameters: a fast batch whose names hold no
     UNIT_SEPARATOR sends them packed (SCHEDULE_PACKED_JSON_SQL), anything else as arrays."""
+    check = db.binary_array(db.TextArray, upserts) if upserts else None
     if isinstance(batch, FastBatch):
         cols = batch.columns
         n = len(cols["queue"])
@@ -641,9 +645,9 @@ def _route_statement(batch: list[dict] | FastBatch, principal, settings, upserts
             params = _array_params({k: v for k, v in cols.items() if k not in packed})
             params.update(packed)
             return SCHEDULE_PACKED_JSON_SQL, _with_settings(params, principal.tenant, principal.sub, settings,
-                                                             encrypt_check=upserts or None)
+                                                             encrypt_check=check)
     return SCHEDULE_JSON_SQL, _schedule_call(batch, principal.tenant, principal.sub, settings,
-                                             encrypt_check=upserts or None)
+                                             encrypt_check=check)
 
 
 async def schedule(request: Request) -> Response:
@@ -669,17 +673,17 @@ async def schedule(request: Request) -> Response:
         batch = ops
         upserts = sorted({o["queue"] for o in ops if o["op"] != "cancel"})
 
+    prepare = not db.pooled(settings)
+
     async def work(conn):
-        cur = conn.cursor(row_factory=tuple_row)
         sql, params = _route_statement(batch, principal, settings, upserts)
-        await cur.execute(sql, params)
-        encrypting, *verdicts = await cur.fetchone()
+        encrypting, *verdicts = await db.fetch_row(conn, _STATEMENTS[sql], params, prepare=prepare)
         if encrypting:  # nothing was written: encrypt those queues' payloads, then the batch alone
             ops = batch.ops(max_ops) if isinstance(batch, FastBatch) else batch
-            _encrypt_ops(ops, set(encrypting), settings.encryption_key)
+            _encrypt_ops(ops, set(orjson.loads(encrypting)), settings.encryption_key)
             params.update(_schedule_params(ops), encrypt_check=None)  # the arrays, in every column
-            await cur.execute(SCHEDULE_JSON_SQL, params)
-            encrypting, *verdicts = await cur.fetchone()
+            encrypting, *verdicts = await db.fetch_row(conn, _STATEMENTS[SCHEDULE_JSON_SQL], params,
+                                                       prepare=prepare)
         return verdicts
 
     verdicts = await _run(request, work, hint=True)
@@ -725,7 +729,8 @@ async def _schedule_staged(conn, ops: list[dict], staged: int, principal, settin
 # DELETE /api/v1/timers/:queue/*timerKey
 # ---------------------------------------------------------------------------
 
-CANCEL_SQL = "SELECT queen.cancel_timer(%s, %s, %s)"
+CANCEL_SQL = "SELECT queen.cancel_timer(%(tenant)s, %(queue)s, %(timer_key)s)"
+CANCEL = db.Statement(CANCEL_SQL)
 
 
 async def cancel(request: Request) -> Response:
@@ -738,12 +743,11 @@ async def cancel(request: Request) -> Response:
         check_name("txn", txn, "")
 
     async def work(conn):
-        # a tuple row (no dict per call), the statement prepared on its pooled connection
-        cur = conn.cursor(row_factory=tuple_row)
-        # never prepared behind a transaction pooler: the next call may run on another server connection
-        await cur.execute(CANCEL_SQL, (principal.tenant, queue, key),
-                          prepare=None if db.pooled(request.app.state.settings) else True)
-        return (await cur.fetchone())[0]
+        # through libpq itself, prepared on its pooled connection (never behind a transaction
+        # pooler: the next call may run on another server connection)
+        row = await db.fetch_row(conn, CANCEL, {"tenant": principal.tenant, "queue": queue, "timer_key": key},
+                                 prepare=not db.pooled(request.app.state.settings))
+        return row[0]
 
     status = await _run(request, work)
     # orjson: the same compact UTF-8 JSON as JSONResponse, without the stdlib encoder's cost

@@ -1,0 +1,137 @@
+"""db.fetch_row: the hot routes' statements run through libpq itself, against a real
+PostgreSQL: placeholders, texts and NULLs, prepared or not, errors as psycopg raises
+them with the connection still usable, a parameter larger than the socket's buffer,
+a broken connection and a task cancelled mid-query (the connection is closed, never
+pooled mid-query)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import psycopg
+import pytest
+
+from queen_timers import db
+from queen_timers.errors import from_exception
+
+
+def run(database_url, body):
+    async def go():
+        conn = await psycopg.AsyncConnection.connect(database_url, autocommit=True, client_encoding="utf8")
+        try:
+            return await body(conn)
+        finally:
+            await conn.close()
+    return asyncio.run(go())
+
+
+def test_placeholders_compile_to_numbered_parameters():
+    s = db.Statement("SELECT %(a)s::text, %(b)b::text[], %(a)s || '%%', %(c)s")
+    assert s.text == b"SELECT $1::text, $2::text[], $1 || '%', $3"
+    assert s.names == ("a", "b", "c") and s.formats == [0, 1, 0]
+    assert db.Statement("SELECT 1").name != db.Statement("SELECT 1").name  # one name per statement
+    with pytest.raises(ValueError, match="both text and binary"):
+        db.Statement("SELECT %(a)s, %(a)b")
+
+
+def test_values_texts_nulls_and_no_row(database_url):
+    s = db.Statement("SELECT %(t)s::text, %(n)s::bigint + 1, %(f)s::boolean, %(none)s::text, "
+                     "%(arr)b::text[], 'é' FROM generate_series(1, %(rows)s::int)")
+
+    async def body(conn):
+        params = {"t": "ä\"x", "n": 41, "f": False, "none": None,
+                  "arr": db.binary_array(db.TextArray, ["a", None, "c"]), "rows": 2}
+        first = await db.fetch_row(conn, s, params)
+        again = await db.fetch_row(conn, s, params)  # the prepared statement, reused
+        none = await db.fetch_row(conn, s, dict(params, rows=0))
+        return first, again, none
+
+    first, again, none = run(database_url, body)
+    assert first == again == ("ä\"x", "42", "f", None, "{a,NULL,c}", "é")
+    assert none is None
+
+
+def test_prepared_once_per_connection_and_never_when_told_not_to(database_url):
+    s = db.Statement("SELECT %(x)s::int * 2")
+    count = db.Statement("SELECT count(*) FROM pg_prepared_statements WHERE name = %(name)s")
+
+    async def body(conn):
+        seen = []
+        for prepare in (False, True, True):
+            assert await db.fetch_row(conn, s, {"x": 21}, prepare=prepare) == ("42",)
+            seen.append((await db.fetch_row(conn, count, {"name": s.name.decode()}, prepare=False))[0])
+        return seen
+
+    assert run(database_url, body) == ["0", "1", "1"]
+
+
+def test_a_database_error_is_psycopgs_and_leaves_the_connection_usable(database_url):
+    s = db.Statement("SELECT 1 / %(x)s::int")
+    raise_it = db.Statement("SELECT queen.cancel_timer(%(tenant)s, %(queue)s, %(key)s)")
+
+    async def body(conn):
+        with pytest.raises(psycopg.errors.DivisionByZero):
+            await db.fetch_row(conn, s, {"x": 0})
+        after = await db.fetch_row(conn, s, {"x": 1})
+        with pytest.raises(psycopg.Error) as caught:  # a domain error: its own SQLSTATE, mapped to HTTP
+            await db.fetch_row(conn, raise_it, {"tenant": "default", "queue": "", "key": "k"})
+        mapped = from_exception(caught.value)
+        return after, conn.pgconn.transaction_status, caught.value.sqlstate, mapped
+
+    after, status, sqlstate, mapped = run(database_url, body)
+    assert after == ("1",) and status == psycopg.pq.TransactionStatus.IDLE
+    assert sqlstate.startswith("QT") and mapped is not None and mapped.status == 400
+
+
+def test_a_binary_placeholder_takes_only_a_binary_array(database_url):
+    s = db.Statement("SELECT cardinality(%(a)b::text[])")
+
+    async def body(conn):
+        with pytest.raises(TypeError, match="BinaryArray"):
+            await db.fetch_row(conn, s, {"a": ["x"]})
+        return await db.fetch_row(conn, s, {"a": db.binary_array(db.TextArray, ["x", "y"])})
+
+    assert run(database_url, body) == ("2",)  # nothing was sent: the connection is usable
+
+
+def test_a_parameter_larger_than_the_socket_buffer(database_url):
+    s = db.Statement("SELECT octet_length(%(x)s::text), md5(%(x)s::text)")
+    big = "0123456789abcdef" * (1 << 20)  # 16 MiB: libpq flushes it over many writes
+
+    async def body(conn):
+        return await db.fetch_row(conn, s, {"x": big}, prepare=False)
+
+    import hashlib
+    assert run(database_url, body) == (str(len(big)), hashlib.md5(big.encode()).hexdigest())
+
+
+def test_a_broken_connection_raises_operational_error_and_is_closed(database_url):
+    s = db.Statement("SELECT %(x)s::int")
+
+    async def body(conn):
+        pid = conn.info.backend_pid
+        async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as other:
+            await other.execute("SELECT pg_terminate_backend(%s)", (pid,))
+        await asyncio.sleep(0.2)
+        with pytest.raises(psycopg.OperationalError) as caught:
+            await db.fetch_row(conn, s, {"x": 1})
+        return conn.closed, from_exception(caught.value)
+
+    closed, mapped = run(database_url, body)
+    assert closed and mapped.status == 503 and mapped.headers["Retry-After"] == "1"
+
+
+def test_a_task_cancelled_mid_query_closes_the_connection(database_url):
+    """A query left running must never go back to the pool: the broker shutting down
+    cancels its tasks, and the connection is closed (psycopg's pool drops a closed one)."""
+    s = db.Statement("SELECT pg_sleep(%(s)s::float8)")
+
+    async def body(conn):
+        task = asyncio.ensure_future(db.fetch_row(conn, s, {"s": 5}, prepare=False))
+        await asyncio.sleep(0.3)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        return conn.closed
+
+    assert run(database_url, body) is True
