@@ -417,9 +417,9 @@ def read_only_server(conn: psycopg.AsyncConnection | psycopg.Connection) -> bool
     PostgreSQL 14+ reports in_hot_standby and default_transaction_read_only on
     connect and whenever they change (a promotion, a reload); libpq's
     target_session_attrs=read-write reads the same two."""
-    info = conn.info
-    return (info.parameter_status("in_hot_standby") == "on"
-            or info.parameter_status("default_transaction_read_only") == "on")
+    pg = conn.pgconn  # libpq's own lookup: psycopg's ConnectionInfo decodes through the client encoding
+    return (pg.parameter_status(b"in_hot_standby") == b"on"
+            or pg.parameter_status(b"default_transaction_read_only") == b"on")
 
 
 def _check_alive(conn: AsyncConnection) -> None:
