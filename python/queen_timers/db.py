@@ -208,8 +208,18 @@ def _wire(value: object, fmt: int) -> bytes | None:
     return str(value).encode()  # str, int, uuid
 
 
-# the statements prepared on each connection (a new connection starts with none)
-_PREPARED: "weakref.WeakKeyDictionary[AsyncConnection, set[bytes]]" = weakref.WeakKeyDictionary()
+class _Wire:
+    """fetch_row's state of one connection: the loop it runs on (asyncio.get_running_loop
+    costs a getpid() syscall a call on Python 3.11) and the statements prepared on it (a
+    new connection starts with none)."""
+    __slots__ = ("loop", "prepared")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self.prepared: set[bytes] = set()
+
+
+_WIRES: "weakref.WeakKeyDictionary[AsyncConnection, _Wire]" = weakref.WeakKeyDictionary()
 
 
 async def fetch_row(conn: AsyncConnection, statement: Statement, params: dict, *,
@@ -223,18 +233,18 @@ async def fetch_row(conn: AsyncConnection, statement: Statement, params: dict, *
     OperationalError, and the connection is closed (the pool replaces it)."""
     pg = conn.pgconn
     values = statement.values(params)
+    wire = _WIRES.get(conn)
+    if wire is None:
+        wire = _WIRES[conn] = _Wire(asyncio.get_running_loop())
     if prepare:
-        prepared = _PREPARED.get(conn)
-        if prepared is None:
-            prepared = _PREPARED[conn] = set()
-        if statement.name not in prepared:
+        if statement.name not in wire.prepared:
             pg.send_prepare(statement.name, statement.text)
-            _check(await _result(conn, pg), pg)
-            prepared.add(statement.name)
+            _check(await _result(wire.loop, pg), pg)
+            wire.prepared.add(statement.name)
         pg.send_query_prepared(statement.name, values, param_formats=statement.formats)
     else:
         pg.send_query_params(statement.text, values, param_formats=statement.formats)
-    res = _check(await _result(conn, pg), pg)
+    res = _check(await _result(wire.loop, pg), pg)
     if res.ntuples == 0:
         return None
     return tuple(None if (v := res.get_value(0, i)) is None else v.decode() for i in range(res.nfields))
@@ -248,18 +258,20 @@ def _check(res: pq.abc.PGresult, pg: pq.abc.PGconn) -> pq.abc.PGresult:
     return res
 
 
-async def _result(conn: AsyncConnection, pg: pq.abc.PGconn) -> pq.abc.PGresult:
+async def _result(loop: asyncio.AbstractEventLoop, pg: pq.abc.PGconn) -> pq.abc.PGresult:
     """The one result of the query just sent: flushed, then read as the socket becomes
     readable (one reader callback per wait, no timer: the statement timeout bounds the
-    server, TCP keepalives and tcp_user_timeout a silent network). Interrupted midway
-    (the broker shutting down), the connection is closed, never pooled mid-query."""
-    loop = asyncio.get_running_loop()
+    server, TCP keepalives and tcp_user_timeout a silent network). The connection was
+    idle, libpq's buffer empty: the first read waits for the socket (a read straight
+    after the send only meets EAGAIN). Interrupted midway (the broker shutting down), the
+    connection is closed, never pooled mid-query."""
     fd = pg.socket
     result = None
     try:
         while pg.flush():  # a large batch may not fit the socket's buffer at once
             await _ready(loop, fd, loop.add_writer, loop.remove_writer)
         while True:
+            await _ready(loop, fd, loop.add_reader, loop.remove_reader)
             pg.consume_input()
             while not pg.is_busy():
                 res = pg.get_result()
@@ -268,7 +280,6 @@ async def _result(conn: AsyncConnection, pg: pq.abc.PGconn) -> pq.abc.PGresult:
                         raise psycopg.InterfaceError("the server sent no result")
                     return result
                 result = res  # the last one is the query's (there is one)
-            await _ready(loop, fd, loop.add_reader, loop.remove_reader)
     except BaseException:
         if pg.transaction_status == TransactionStatus.ACTIVE or pg.status == ConnStatus.BAD:
             pg.finish()  # a query still in flight, or a broken link: no one may reuse it
