@@ -30,8 +30,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import logging
 import itertools
+import logging
 import os
 import re
 import struct
@@ -41,9 +41,8 @@ from pathlib import Path
 from time import monotonic
 
 import psycopg
-from psycopg import AsyncConnection
+from psycopg import AsyncConnection, pq
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
-from psycopg import pq
 from psycopg.pq import ConnStatus, ExecStatus, TransactionStatus
 from psycopg.rows import dict_row
 from psycopg_pool import AsyncConnectionPool, PoolTimeout
@@ -239,18 +238,18 @@ async def fetch_row(conn: AsyncConnection, statement: Statement, params: dict, *
     if prepare:
         if statement.name not in wire.prepared:
             pg.send_prepare(statement.name, statement.text)
-            _check(await _result(wire.loop, pg), pg)
+            _check(await _result(wire.loop, pg))
             wire.prepared.add(statement.name)
         pg.send_query_prepared(statement.name, values, param_formats=statement.formats)
     else:
         pg.send_query_params(statement.text, values, param_formats=statement.formats)
-    res = _check(await _result(wire.loop, pg), pg)
+    res = _check(await _result(wire.loop, pg))
     if res.ntuples == 0:
         return None
     return tuple(None if (v := res.get_value(0, i)) is None else v.decode() for i in range(res.nfields))
 
 
-def _check(res: pq.abc.PGresult, pg: pq.abc.PGconn) -> pq.abc.PGresult:
+def _check(res: pq.abc.PGresult) -> pq.abc.PGresult:
     if res.status == ExecStatus.FATAL_ERROR:
         raise psycopg.errors.error_from_result(res, encoding="utf-8")
     if res.status not in (ExecStatus.TUPLES_OK, ExecStatus.COMMAND_OK):
