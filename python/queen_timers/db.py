@@ -209,12 +209,14 @@ def _wire(value: object, fmt: int) -> bytes | None:
 
 class _Wire:
     """fetch_row's state of one connection: the loop it runs on (asyncio.get_running_loop
-    costs a getpid() syscall a call on Python 3.11) and the statements prepared on it (a
-    new connection starts with none)."""
-    __slots__ = ("loop", "prepared")
+    costs a getpid() syscall a call on Python 3.11), whether it prepares statements (as
+    psycopg does on it: not when connect_kwargs set prepare_threshold=None, behind a
+    transaction pooler) and the statements prepared on it (a new connection has none)."""
+    __slots__ = ("loop", "prepare", "prepared")
 
-    def __init__(self, loop: asyncio.AbstractEventLoop):
+    def __init__(self, conn: AsyncConnection, loop: asyncio.AbstractEventLoop):
         self.loop = loop
+        self.prepare = conn.prepare_threshold is not None
         self.prepared: set[bytes] = set()
 
 
@@ -222,20 +224,21 @@ _WIRES: "weakref.WeakKeyDictionary[AsyncConnection, _Wire]" = weakref.WeakKeyDic
 
 
 async def fetch_row(conn: AsyncConnection, statement: Statement, params: dict, *,
-                    prepare: bool = True) -> tuple[str | None, ...] | None:
+                    prepare: bool | None = None) -> tuple[str | None, ...] | None:
     """The first row of `statement` as texts (None for NULL), or None for no row.
 
     prepare: a server-side prepared statement on this connection (parsed and
-    planned once); never behind a transaction pooler, where the next call may
-    land on another server connection. A database error is raised as psycopg
+    planned once); by default as the connection's prepare_threshold says, so
+    never behind a transaction pooler, where the next call may land on another
+    server connection. A database error is raised as psycopg
     raises it (errors.from_exception maps it); a lost connection as
     OperationalError, and the connection is closed (the pool replaces it)."""
     pg = conn.pgconn
     values = statement.values(params)
     wire = _WIRES.get(conn)
     if wire is None:
-        wire = _WIRES[conn] = _Wire(asyncio.get_running_loop())
-    if prepare:
+        wire = _WIRES[conn] = _Wire(conn, asyncio.get_running_loop())
+    if wire.prepare if prepare is None else prepare:
         if statement.name not in wire.prepared:
             pg.send_prepare(statement.name, statement.text)
             _check(await _result(wire.loop, pg))

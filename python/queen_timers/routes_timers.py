@@ -677,17 +677,14 @@ async def schedule(request: Request) -> Response:
         batch = ops
         upserts = sorted({o["queue"] for o in ops if o["op"] != "cancel"})
 
-    prepare = not db.pooled(settings)
-
     async def work(conn):
         sql, params = _route_statement(batch, principal, settings, upserts)
-        encrypting, *verdicts = await db.fetch_row(conn, _STATEMENTS[sql], params, prepare=prepare)
+        encrypting, *verdicts = await db.fetch_row(conn, _STATEMENTS[sql], params)
         if encrypting:  # nothing was written: encrypt those queues' payloads, then the batch alone
             ops = batch.ops(max_ops) if isinstance(batch, FastBatch) else batch
             _encrypt_ops(ops, set(orjson.loads(encrypting)), settings.encryption_key)
             params.update(_schedule_params(ops), encrypt_check=None)  # the arrays, in every column
-            encrypting, *verdicts = await db.fetch_row(conn, _STATEMENTS[SCHEDULE_JSON_SQL], params,
-                                                       prepare=prepare)
+            encrypting, *verdicts = await db.fetch_row(conn, _STATEMENTS[SCHEDULE_JSON_SQL], params)
         return verdicts
 
     verdicts = await _run(request, work, hint=True)
@@ -748,9 +745,8 @@ async def cancel(request: Request) -> Response:
 
     async def work(conn):
         # through libpq itself, prepared on its pooled connection (never behind a transaction
-        # pooler: the next call may run on another server connection)
-        row = await db.fetch_row(conn, CANCEL, {"tenant": principal.tenant, "queue": queue, "timer_key": key},
-                                 prepare=not db.pooled(request.app.state.settings))
+        # pooler: the next call may run on another server connection; see db.fetch_row)
+        row = await db.fetch_row(conn, CANCEL, {"tenant": principal.tenant, "queue": queue, "timer_key": key})
         return row[0]
 
     status = await _run(request, work)

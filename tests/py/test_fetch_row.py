@@ -12,6 +12,7 @@ import psycopg
 import pytest
 
 from queen_timers import db
+from queen_timers.config import Settings
 from queen_timers.errors import from_exception
 
 
@@ -63,6 +64,24 @@ def test_prepared_once_per_connection_and_never_when_told_not_to(database_url):
         return seen
 
     assert run(database_url, body) == ["0", "1", "1"]
+
+
+def test_by_default_prepared_as_the_connections_prepare_threshold_says(database_url):
+    """Behind a transaction pooler the broker's connections have prepare_threshold=None
+    (db.connect_kwargs): fetch_row then prepares nothing, as psycopg would not."""
+    s = db.Statement("SELECT %(x)s::int + 1")
+    count = db.Statement("SELECT count(*) FROM pg_prepared_statements WHERE name = %(name)s")
+
+    async def go(threshold):
+        async with await psycopg.AsyncConnection.connect(database_url, autocommit=True,
+                                                         prepare_threshold=threshold) as conn:
+            assert await db.fetch_row(conn, s, {"x": 1}) == ("2",)
+            return (await db.fetch_row(conn, count, {"name": s.name.decode()}, prepare=False))[0]
+
+    assert asyncio.run(go(None)) == "0"
+    assert asyncio.run(go(5)) == "1"
+    kwargs = db.connect_kwargs(Settings(database_url=database_url, pool_mode="transaction"), "t")
+    assert kwargs["prepare_threshold"] is None
 
 
 def test_a_database_error_is_psycopgs_and_leaves_the_connection_usable(database_url):
