@@ -11,7 +11,7 @@ from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.requests import Request
-from starlette.responses import JSONResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from . import __version__, routes_dashboard, routes_log, routes_ops, routes_timers
@@ -109,6 +109,8 @@ class HotRoutes:
     takes this lane only where the router's first full match is one of these
     routes (tests/py/test_hot_routes.py checks the routing table)."""
 
+    on_direct = staticmethod(lambda: None)  # counts the requests server.py's direct lane serves
+
     def __init__(self, routes: list[tuple[Route, str]]):
         self.lanes = [(route.path_regex, route.param_convertors, method, route.endpoint)
                       for route, method in routes]
@@ -120,22 +122,27 @@ class HotRoutes:
                 return endpoint, {k: convertors[k].convert(v) for k, v in m.groupdict().items()}
         return None
 
-    async def serve(self, app: Starlette, hit, scope, receive, send) -> None:
+    async def respond(self, app: Starlette, hit, scope, receive, send=None) -> Response:
+        """The endpoint's response, or its exception's handler's, or a JSON 500."""
         endpoint, scope["path_params"] = hit
+        scope["app"] = app
         request = Request(scope, receive, send)
         try:
             try:
-                response = await endpoint(request)
+                return await endpoint(request)
             except Exception as exc:
                 handler = next((app.exception_handlers[c] for c in type(exc).__mro__
                                 if c is not Exception and c in app.exception_handlers), None)
                 if handler is None:
                     raise
-                response = await handler(request, exc)
+                return await handler(request, exc)
         except Exception:
             log.exception("unexpected error on %s %s", scope.get("method"), scope.get("path"))
-            response = internal_error_response()
+            return internal_error_response()
+
+    async def serve(self, app: Starlette, hit, scope, receive, send) -> None:
         try:
+            response = await self.respond(app, hit, scope, receive, send)
             await response(scope, receive, send)
         finally:
             release_body(scope)
@@ -149,7 +156,6 @@ class BrokerApp(Starlette):
     async def __call__(self, scope, receive, send) -> None:
         if (self.hot is not None and scope["type"] == "http" and not scope.get("root_path")
                 and (hit := self.hot.match(scope)) is not None):
-            scope["app"] = self
             await self.hot.serve(self, hit, scope, receive, send)
             return
         await super().__call__(scope, receive, send)
@@ -209,6 +215,7 @@ def create_app(settings: Settings | None = None) -> Starlette:
         lifespan=lifespan,
     )
     app.hot = HotRoutes([(routes_timers.SCHEDULE_ROUTE, "POST"), (routes_timers.KEY_ROUTE, "DELETE")])
+    app.hot.on_direct = sweeper.metrics.http_direct.inc
     app.state.settings = settings
     budget = app.state.body_budget = BodyBudget(settings.body_budget_bytes, settings.body_wait_ms,
                                                 on_refuse=sweeper.metrics.body_budget_refusals.inc)

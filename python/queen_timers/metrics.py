@@ -126,6 +126,11 @@ class Metrics:
             "queen_timers_body_budget_refusals",
             "Requests answered 503 because the body budget had no room within QUEEN_BODY_WAIT_MS",
             registry=r)
+        self.http_direct = Counter(
+            "queen_timers_http_direct_requests",
+            "DELETE requests on the timer key route served by the HTTP server's direct lane (server.py) "
+            "rather than by uvicorn's request cycle",
+            registry=r)
         self.pending = Gauge(
             "queen_timers_pending", "Pending timers in the cell (read from PostgreSQL at scrape)", registry=r)
         self.fire_paused = Gauge(

@@ -1,0 +1,198 @@
+"""server.py's direct lane: a DELETE on the timer key route served without uvicorn's
+request cycle must answer byte for byte as uvicorn's path does, keep the connection's
+HTTP/1.1 state (keep-alive, pipelining, a graceful shutdown), and leave anything
+unusual to uvicorn.
+
+Real brokers over real sockets. The same DELETE with an empty chunked body takes
+uvicorn's path (the lane takes no request with a body), so each case is asked both
+ways on one broker; queen_timers_http_direct_requests_total tells which way it went.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+
+from timers_util import JWT_SECRET, op, post, token
+
+
+def direct_count(broker) -> float:
+    text = httpx.get(f"{broker.url}/metrics/prometheus", timeout=10).text
+    return float(re.search(r"^queen_timers_http_direct_requests_total (\S+)$", text, re.M).group(1))
+
+
+def raw(broker, request: bytes) -> tuple[bytes, dict, bytes]:
+    """One request on its own connection: (status line, headers without date, body)."""
+    with socket.create_connection(("127.0.0.1", broker.port), timeout=20) as sock:
+        sock.sendall(request)
+        sock.settimeout(20)
+        data = b""
+        while b"\r\n\r\n" not in data:
+            data += sock.recv(65536)
+        head, _, body = data.partition(b"\r\n\r\n")
+        lines = head.split(b"\r\n")
+        headers = dict(line.split(b": ", 1) for line in lines[1:])
+        while len(body) < int(headers[b"content-length"]):
+            body += sock.recv(65536)
+    headers.pop(b"date")
+    return lines[0], headers, body
+
+
+class Responses:
+    """The answers on one connection, in order, however the bytes arrive."""
+
+    def __init__(self, sock: socket.socket):
+        self.sock, self.buf = sock, b""
+        sock.settimeout(30)
+
+    def _more(self) -> None:
+        chunk = self.sock.recv(65536)
+        assert chunk, "the broker closed the connection"
+        self.buf += chunk
+
+    def next(self) -> tuple[int, dict, dict]:
+        while b"\r\n\r\n" not in self.buf:
+            self._more()
+        head, _, self.buf = self.buf.partition(b"\r\n\r\n")
+        lines = head.decode("latin-1").split("\r\n")
+        headers = {k.strip().lower(): v.strip() for k, v in (line.split(":", 1) for line in lines[1:])}
+        length = int(headers["content-length"])
+        while len(self.buf) < length:
+            self._more()
+        body, self.buf = self.buf[:length], self.buf[length:]
+        return int(lines[0].split()[1]), headers, json.loads(body)
+
+
+def delete(path: str, extra: str = "", *, chunked: bool) -> bytes:
+    if chunked:
+        return (f"DELETE {path} HTTP/1.1\r\nHost: t\r\n{extra}Transfer-Encoding: chunked\r\n\r\n0\r\n\r\n").encode()
+    return f"DELETE {path} HTTP/1.1\r\nHost: t\r\n{extra}\r\n".encode()
+
+
+CASES = [
+    ("/api/v1/timers/reminders/k1", "", "cancelled"),
+    ("/api/v1/timers/reminders/k1?txn=order-9", "", "cancelled"),
+    ("/api/v1/timers/reminders/a%2Fb/c", "", "cancelled"),          # the key `a/b/c`
+    ("/api/v1/timers/reminders/never-scheduled", "", "absent"),
+    ("/api/v1/timers/reminders/", "", 400),                          # no timerKey
+    ("/api/v1/timers/reminders/%ff", "", 400),                       # not UTF-8
+    ("/api/v1/timers/reminders/k1?txn=" + "x" * 300, "", 400),       # txn past its cap
+    ("/api/v1/timers/" + "q" * 300 + "/k", "", 400),                 # queue past its cap
+]
+
+
+@pytest.mark.parametrize("path,extra,expected", CASES)
+def test_the_lane_answers_byte_for_byte_as_uvicorns_path(broker, client, db, path, extra, expected):
+    answers = []
+    for chunked in (False, True):
+        if expected == "cancelled":
+            key = "a/b/c" if "a%2Fb" in path else "k1"
+            assert post(client, op("schedule", key)).status_code == 200
+        before = direct_count(broker)
+        answers.append(raw(broker, delete(path, extra, chunked=chunked)))
+        assert direct_count(broker) - before == (0 if chunked else 1)
+    lane, uvicorn = answers
+    assert lane == uvicorn
+    status, headers, body = lane
+    if isinstance(expected, int):
+        assert status.startswith(b"HTTP/1.1 %d " % expected) and b'"timers_bad_request"' in body
+    else:
+        assert status == b"HTTP/1.1 200 OK" and b'"status":"%s"' % expected.encode() in body
+    assert headers[b"content-type"] == b"application/json"
+
+
+def test_the_lane_answers_a_bad_token_and_a_read_only_role_as_uvicorns_path(broker_factory):
+    b = broker_factory(QUEEN_AUTH="jwt", QUEEN_JWT_SECRET=JWT_SECRET)
+    for extra, slug in (("Authorization: Bearer not-a-jwt\r\n", b"unauthorized"),
+                        ("", b"unauthorized"),
+                        (f"Authorization: {token('read-only')['Authorization']}\r\n", b"forbidden")):
+        lane = raw(b, delete("/api/v1/timers/q/k", extra, chunked=False))
+        assert lane == raw(b, delete("/api/v1/timers/q/k", extra, chunked=True))
+        assert b'"error":"%s"' % slug in lane[2], lane
+
+
+def test_two_tenants_on_the_lane_cancel_only_their_own_timer(broker_factory, db):
+    b = broker_factory(QUEEN_AUTH="jwt", QUEEN_JWT_SECRET=JWT_SECRET)
+    acme, globex = token("read-write", tenant="acme"), token("read-write", tenant="globex")
+    with b.client() as c:
+        for who in (acme, globex):
+            assert post(c, op("schedule", "shared"), headers=who).status_code == 200
+    before = direct_count(b)
+    first = raw(b, delete("/api/v1/timers/reminders/shared", f"Authorization: {acme['Authorization']}\r\n",
+                          chunked=False))
+    again = raw(b, delete("/api/v1/timers/reminders/shared", f"Authorization: {acme['Authorization']}\r\n",
+                          chunked=False))
+    assert direct_count(b) - before == 2
+    assert b'"status":"cancelled"' in first[2] and b'"status":"absent"' in again[2]
+    left = db.execute("SELECT tenant FROM queen.timers WHERE timer_key = 'shared'").fetchall()
+    assert [r["tenant"] for r in left] == ["globex"]
+
+
+def test_keep_alive_and_pipelined_requests_are_answered_in_order_on_one_connection(broker, client):
+    for i in range(3):
+        assert post(client, op("schedule", f"p{i}")).status_code == 200
+    before = direct_count(broker)
+    with socket.create_connection(("127.0.0.1", broker.port), timeout=20) as sock:
+        answers = Responses(sock)
+        # one after another on a kept-alive connection, then three in one segment
+        for i in range(3):
+            sock.sendall(delete(f"/api/v1/timers/reminders/p{i}", chunked=False))
+            status, _, body = answers.next()
+            assert (status, body["status"]) == (200, "cancelled")
+        sock.sendall(b"".join([delete("/api/v1/timers/reminders/p0", chunked=False),
+                               b"GET /health HTTP/1.1\r\nHost: t\r\n\r\n",
+                               delete("/api/v1/timers/reminders/p1", chunked=False)]))
+        answers = [answers.next() for _ in range(3)]
+    assert [(s, b.get("status")) for s, _, b in answers] == [(200, "absent"), (200, "healthy"), (200, "absent")]
+    # the pipelined DELETE behind the GET waited for it on uvicorn's queue: one lane request fewer
+    assert direct_count(broker) - before in (4, 5)
+
+
+def test_a_client_gone_before_its_answer_leaves_the_broker_serving(broker, client, db):
+    assert post(client, op("schedule", "gone")).status_code == 200
+    with socket.create_connection(("127.0.0.1", broker.port), timeout=20) as sock:
+        sock.sendall(delete("/api/v1/timers/reminders/gone", chunked=False))
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+    # the cancel still ran once (PostgreSQL's verdict does not depend on the client staying)
+    deadline = time.monotonic() + 10
+    while db.execute("SELECT count(*) AS n FROM queen.timers WHERE timer_key = 'gone'").fetchone()["n"]:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert client.delete("/api/v1/timers/reminders/gone").json()["status"] == "absent"
+
+
+def test_a_graceful_shutdown_answers_the_delete_in_flight_and_closes(spawn_broker, client, db):
+    b = spawn_broker()
+    with b.client() as c:
+        assert post(c, op("schedule", "held")).status_code == 200
+    lock = db
+    lock.autocommit = False
+    db.execute("SELECT 1 FROM queen.timers WHERE timer_key = 'held' FOR UPDATE")  # the DELETE waits on it
+    answer: list = []
+    sock = socket.create_connection(("127.0.0.1", b.port), timeout=30)
+    reader = threading.Thread(target=lambda: answer.append(Responses(sock).next()))
+    try:
+        sock.sendall(delete("/api/v1/timers/reminders/held", chunked=False))
+        reader.start()
+        time.sleep(0.5)
+        b.proc.send_signal(signal.SIGTERM)
+        time.sleep(0.5)
+        assert b.proc.poll() is None  # uvicorn waits for the request in flight
+        lock.rollback()
+        reader.join(30)
+        status, headers, body = answer[0]
+        assert (status, body["status"]) == (200, "cancelled")
+        assert headers.get("connection") == "close"
+        # uvicorn re-raises the signal once it has shut down: the exit of a graceful stop
+        assert b.proc.wait(timeout=30) == -signal.SIGTERM
+        assert "Traceback" not in b.log_path.read_text()
+    finally:
+        lock.autocommit = True
+        sock.close()
