@@ -10,6 +10,7 @@ ways on one broker; queen_timers_http_direct_requests_total tells which way it w
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import signal
@@ -18,6 +19,7 @@ import threading
 import time
 
 import httpx
+import psycopg
 import pytest
 
 from timers_util import JWT_SECRET, op, post, token
@@ -155,37 +157,59 @@ def test_keep_alive_and_pipelined_requests_are_answered_in_order_on_one_connecti
     assert direct_count(broker) - before in (4, 5)
 
 
-def test_a_client_gone_before_its_answer_leaves_the_broker_serving(broker, client, db):
+@contextlib.contextmanager
+def held(database_url: str, db, key: str):
+    """The timer's row locked by another transaction: a DELETE of it waits in PostgreSQL
+    until the block ends. Yields a function that waits until such a DELETE is waiting."""
+    with psycopg.connect(database_url) as lock:
+        lock.execute("SELECT 1 FROM queen.timers WHERE timer_key = %s FOR UPDATE", (key,))
+
+        def wait_for_delete() -> None:
+            deadline = time.monotonic() + 20
+            while not db.execute("SELECT count(*) AS n FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
+                                 "AND query LIKE '%%cancel_timer%%'").fetchone()["n"]:
+                assert time.monotonic() < deadline, "the DELETE never reached PostgreSQL"
+                time.sleep(0.02)
+
+        yield wait_for_delete
+        lock.rollback()
+
+
+def test_a_client_gone_before_its_answer_leaves_the_broker_serving(broker, client, db, database_url):
     assert post(client, op("schedule", "gone")).status_code == 200
-    with socket.create_connection(("127.0.0.1", broker.port), timeout=20) as sock:
+    logged = len(broker.log_path.read_text())
+    with held(database_url, db, "gone") as wait_for_delete:
+        sock = socket.create_connection(("127.0.0.1", broker.port), timeout=20)
         sock.sendall(delete("/api/v1/timers/reminders/gone", chunked=False))
+        wait_for_delete()
+        # gone with a reset while PostgreSQL is still deciding
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
-    # the cancel still ran once (PostgreSQL's verdict does not depend on the client staying)
+        sock.close()
+        time.sleep(0.2)
+    # the cancel still ran, once (PostgreSQL's verdict does not depend on the client staying)
     deadline = time.monotonic() + 10
     while db.execute("SELECT count(*) AS n FROM queen.timers WHERE timer_key = 'gone'").fetchone()["n"]:
         assert time.monotonic() < deadline
         time.sleep(0.05)
     assert client.delete("/api/v1/timers/reminders/gone").json()["status"] == "absent"
+    assert "Traceback" not in broker.log_path.read_text()[logged:]
 
 
-def test_a_graceful_shutdown_answers_the_delete_in_flight_and_closes(spawn_broker, client, db):
+def test_a_graceful_shutdown_answers_the_delete_in_flight_and_closes(spawn_broker, db, database_url):
     b = spawn_broker()
     with b.client() as c:
         assert post(c, op("schedule", "held")).status_code == 200
-    lock = db
-    lock.autocommit = False
-    db.execute("SELECT 1 FROM queen.timers WHERE timer_key = 'held' FOR UPDATE")  # the DELETE waits on it
     answer: list = []
     sock = socket.create_connection(("127.0.0.1", b.port), timeout=30)
     reader = threading.Thread(target=lambda: answer.append(Responses(sock).next()))
     try:
-        sock.sendall(delete("/api/v1/timers/reminders/held", chunked=False))
-        reader.start()
-        time.sleep(0.5)
-        b.proc.send_signal(signal.SIGTERM)
-        time.sleep(0.5)
-        assert b.proc.poll() is None  # uvicorn waits for the request in flight
-        lock.rollback()
+        with held(database_url, db, "held") as wait_for_delete:
+            sock.sendall(delete("/api/v1/timers/reminders/held", chunked=False))
+            reader.start()
+            wait_for_delete()
+            b.proc.send_signal(signal.SIGTERM)
+            time.sleep(0.5)
+            assert b.proc.poll() is None  # uvicorn waits for the request in flight
         reader.join(30)
         status, headers, body = answer[0]
         assert (status, body["status"]) == (200, "cancelled")
@@ -194,5 +218,4 @@ def test_a_graceful_shutdown_answers_the_delete_in_flight_and_closes(spawn_broke
         assert b.proc.wait(timeout=30) == -signal.SIGTERM
         assert "Traceback" not in b.log_path.read_text()
     finally:
-        lock.autocommit = True
         sock.close()
