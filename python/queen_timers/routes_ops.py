@@ -26,10 +26,16 @@ from starlette.routing import Route
 from .auth import ADMIN, READ_ONLY
 from .bodies import read_json
 from .errors import bad_request, from_exception
+from .limits import check_name
 from .metrics import CONTENT_TYPE
 
 STATUS_SQL = "SELECT * FROM queen.get_timer_status()"
-STATS_SQL = "SELECT * FROM queen.get_timer_stats(%s, %s, %s, %s)"
+STATS_SQL = "SELECT * FROM queen.get_timer_stats(%s, %s, %s, %s, %s, %s)"
+TOTALS_SQL = "SELECT * FROM queen.get_timer_totals(%s, %s, %s, %s)"
+# what one stats answer holds at most: queues, and counts of their histograms
+# (1,000 queues at the default 60 buckets, 69 at the largest, 1,440)
+STATS_MAX_QUEUES = 1000
+STATS_MAX_COUNTS = 100_000
 STATS_COUNTS = ("pending", "due", "claimed", "retrying")
 
 
@@ -94,25 +100,47 @@ def _int_query(request: Request, name: str, default: int) -> int:
 
 
 async def timers_stats(request: Request) -> JSONResponse:
-    """Counts per queue and per bucket of deliverAt; the ranges are checked by SQL (QTBAD -> 400)."""
+    """Counts per queue and per bucket of deliverAt; the ranges are checked by SQL (QTBAD -> 400).
+
+    The queues come a page at a time (?after=, ?limit=): at most STATS_MAX_QUEUES
+    queues and STATS_MAX_COUNTS histogram counts per answer, so that what one
+    request makes the broker hold does not grow with the tenant's queues."""
     principal = request.app.state.auth.require(request, READ_ONLY)
     buckets = _int_query(request, "buckets", 60)
     bucket_seconds = _int_query(request, "bucketSeconds", 60)
+    page = stats_page_size(buckets)
+    limit = max(1, min(_int_query(request, "limit", page), page))
+    after = request.query_params.get("after") or None
+    if after is not None:
+        check_name("queue", after, "after: ")  # a queue name: its limits
     async with request.app.state.pool.connection() as conn:
         cur = await conn.execute("SELECT now() AS as_of")
         as_of = (await cur.fetchone())["as_of"]
-        cur = await conn.execute(STATS_SQL, (principal.tenant, buckets, bucket_seconds, as_of))
+        cur = await conn.execute(TOTALS_SQL, (principal.tenant, buckets, bucket_seconds, as_of))
+        totals = await cur.fetchone()
+        # one row past the page says whether another page follows
+        cur = await conn.execute(STATS_SQL, (principal.tenant, buckets, bucket_seconds, as_of, after, limit + 1))
         rows = await cur.fetchall()
+    truncated = len(rows) > limit
+    del rows[limit:]
     queues = [{"queue": r["queue"], **{k: int(r[k]) for k in STATS_COUNTS},
                "nextDeliverAt": _iso(r["next_deliver_at"]),
-               "dueByBucket": [int(n) for n in r["due_by_bucket"]]} for r in rows]
+               "dueByBucket": r["due_by_bucket"]} for r in rows]
     return JSONResponse({
         "tenant": principal.tenant, "asOf": _iso(as_of),
         "buckets": buckets, "bucketSeconds": bucket_seconds,
-        "totals": {k: sum(q[k] for q in queues) for k in STATS_COUNTS},
-        "dueByBucket": [sum(column) for column in zip(*(q["dueByBucket"] for q in queues))] or [0] * buckets,
+        "totals": {k: int(totals[k]) for k in STATS_COUNTS},
+        "dueByBucket": totals["due_by_bucket"],
+        "queueCount": int(totals["queues"]),
         "queues": queues,
+        "truncated": truncated,
+        "nextAfter": queues[-1]["queue"] if truncated else None,
     })
+
+
+def stats_page_size(buckets: int) -> int:
+    """The most queues one stats answer holds at this many buckets."""
+    return max(1, min(STATS_MAX_QUEUES, STATS_MAX_COUNTS // max(buckets, 1)))
 
 
 async def prometheus(request: Request) -> Response:
@@ -156,7 +184,8 @@ _HISTOGRAM = {"type": "array", "items": {"type": "integer", "minimum": 0},
               "description": "`buckets` counts of unclaimed timers by deliverAt, from asOf"}
 _STATS_SCHEMA = {
     "type": "object",
-    "required": ["tenant", "asOf", "buckets", "bucketSeconds", "totals", "dueByBucket", "queues"],
+    "required": ["tenant", "asOf", "buckets", "bucketSeconds", "totals", "dueByBucket", "queueCount", "queues",
+                 "truncated", "nextAfter"],
     "properties": {
         "tenant": {"type": "string"},
         "asOf": {"type": "string", "format": "date-time", "description": "PostgreSQL's now(): the buckets' origin"},
@@ -164,7 +193,11 @@ _STATS_SCHEMA = {
         "bucketSeconds": {"type": "integer"},
         "totals": {"type": "object", "required": list(_COUNTS), "properties": _COUNTS},
         "dueByBucket": _HISTOGRAM,
-        "queues": {"type": "array", "description": "one per queue holding a timer of the tenant, by name",
+        "queueCount": {"type": "integer", "description": "the tenant's queues holding a timer (every page)"},
+        "truncated": {"type": "boolean", "description": "more queues follow this page"},
+        "nextAfter": {"type": ["string", "null"], "description": "pass as ?after= for the next page"},
+        "queues": {"type": "array", "description": "one per queue holding a timer of the tenant, by name, "
+                                                   "a page at a time (totals and dueByBucket cover every queue)",
                    "items": {"type": "object",
                              "required": ["queue", *_COUNTS, "nextDeliverAt", "dueByBucket"],
                              "properties": {"queue": {"type": "string"}, **_COUNTS,
@@ -211,16 +244,26 @@ OPENAPI_PATHS: dict = {
                                "the caller's tenant (queen.get_timer_stats). dueByBucket[i] counts the "
                                "unclaimed timers with asOf + i*bucketSeconds <= deliverAt < asOf + "
                                "(i+1)*bucketSeconds (and deliverAt > asOf); a timer already due is in `due`. "
-                               "Costs one pass over the tenant's timers: for a dashboard, not a hot path.",
+                               "Costs two passes over the tenant's timers (the totals, then the page): for a dashboard, "
+                               "not a hot path. The queues come a page at a time: at most 1,000 and at most "
+                               "100,000 histogram counts (queues x buckets) per answer.",
                 "parameters": [
                     {"name": "buckets", "in": "query", "required": False,
                      "schema": {"type": "integer", "default": 60, "minimum": 1, "maximum": 1440}},
                     {"name": "bucketSeconds", "in": "query", "required": False,
-                     "schema": {"type": "integer", "default": 60, "minimum": 1, "maximum": 86400}}],
+                     "schema": {"type": "integer", "default": 60, "minimum": 1, "maximum": 86400}},
+                    {"name": "after", "in": "query", "required": False,
+                     "description": "the page starts after this queue name (the previous page's nextAfter)",
+                     "schema": {"type": "string", "maxLength": 255}},
+                    {"name": "limit", "in": "query", "required": False,
+                     "description": "queues per page, clamped to 1..min(1000, 100000 / buckets) "
+                                    "(the default is that maximum)",
+                     "schema": {"type": "integer"}}],
                 "responses": {
                     "200": {"description": "the aggregates",
                             "content": {"application/json": {"schema": _STATS_SCHEMA}}},
-                    "400": {"description": "buckets or bucketSeconds not an integer or out of range "
+                    "400": {"description": "buckets, bucketSeconds or limit not an integer, buckets or "
+                                           "bucketSeconds out of range, after over 255 bytes "
                                            "(timers_bad_request)",
                             "content": {"application/json": {"schema": _ERROR}}},
                     **{k: v for k, v in _ERRORS.items() if k in ("401", "503")},

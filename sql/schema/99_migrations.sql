@@ -16,4 +16,5 @@ INSERT INTO queen.schema_migrations (version, name) VALUES
     (11, 'fire_no_subxact'),
     (12, 'resume_wakes'),
     (13, 'staged_payloads'),
-    (14, 'pop_bytes');
+    (14, 'pop_bytes'),
+    (15, 'stats_pages');

@@ -8,6 +8,7 @@ import fnmatch
 import tomllib
 from pathlib import Path
 
+from queen_timers.routes_ops import stats_page_size
 from timers_util import assert_error, op, post, token
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -25,7 +26,9 @@ def test_counts_per_queue_and_the_due_histogram(client, db):
     r = client.get(STATS)
     assert r.status_code == 200, r.text
     body = r.json()
-    assert set(body) == {"tenant", "asOf", "buckets", "bucketSeconds", "totals", "dueByBucket", "queues"}
+    assert set(body) == {"tenant", "asOf", "buckets", "bucketSeconds", "totals", "dueByBucket", "queueCount",
+                         "queues", "truncated", "nextAfter"}
+    assert (body["queueCount"], body["truncated"], body["nextAfter"]) == (2, False, None)
     assert (body["tenant"], body["buckets"], body["bucketSeconds"]) == ("default", 60, 60)
     assert body["totals"] == {"pending": 4, "due": 0, "claimed": 0, "retrying": 0}
     assert [q["queue"] for q in body["queues"]] == ["alpha", "beta"]
@@ -41,6 +44,37 @@ def test_counts_per_queue_and_the_due_histogram(client, db):
     r = client.get(STATS, params={"buckets": 3, "bucketSeconds": 150})
     assert r.json()["dueByBucket"] == [1, 0, 2]  # 40 s, then 340 s and 345 s in [300 s, 450 s)
     assert r.json()["queues"][0]["dueByBucket"] == [0, 0, 2]
+
+
+def test_the_queues_come_a_page_at_a_time_and_the_totals_cover_them_all(broker, client, db):
+    # 30 queues of one timer each, due in 30, 90 or 150 s: ten in each of the first three buckets
+    ops = [op("schedule", f"k{i}", f"q{i:02d}", delayMs=30_000 + 60_000 * (i % 3)) for i in range(30)]
+    assert post(client, *ops).status_code == 200
+    seen, after, pages = [], None, 0
+    while True:
+        r = client.get(STATS, params={"limit": 7, **({"after": after} if after else {})})
+        assert r.status_code == 200, r.text
+        body = r.json()
+        pages += 1
+        assert len(body["queues"]) <= 7 and body["queueCount"] == 30
+        # the totals and the histogram are the tenant's, on every page
+        assert body["totals"]["pending"] == 30 and body["dueByBucket"][:3] == [10, 10, 10]
+        seen += [q["queue"] for q in body["queues"]]
+        if not body["truncated"]:
+            assert body["nextAfter"] is None
+            break
+        assert body["nextAfter"] == body["queues"][-1]["queue"]
+        after = body["nextAfter"]
+    assert seen == [f"q{i:02d}" for i in range(30)] and pages == 5
+
+    # the page is bounded by configuration, not by the client: 100,000 counts (69 queues at 1440 buckets)
+    big = client.get(STATS, params={"buckets": 1440, "limit": 100000}).json()
+    assert len(big["queues"]) == 30 and not big["truncated"]
+    assert (stats_page_size(60), stats_page_size(1440), stats_page_size(1)) == (1000, 69, 1000)
+    assert len(client.get(STATS, params={"limit": 0}).json()["queues"]) == 1  # clamped to 1..page
+    assert client.get(STATS, params={"after": "q28"}).json()["queues"][0]["queue"] == "q29"
+    assert_error(client.get(STATS, params={"after": "x" * 256}), 400, "timers_bad_request")
+    assert_error(client.get(STATS, params={"limit": "many"}), 400, "timers_bad_request")
 
 
 def test_timers_past_their_deliver_at_are_due(client, db):

@@ -1,8 +1,9 @@
 -- get_timer_stats: per-queue aggregates of one tenant's timers (pending,
 -- due, claimed, retrying, next deliver_at) and the histogram of what comes
--- due; never another tenant's rows; read-only; QTBAD on bad bucket sizes.
+-- due, a page of queues at a time; get_timer_totals: the same over every
+-- queue; never another tenant's rows; read-only; QTBAD on bad bucket sizes.
 BEGIN;
-SELECT plan(20);
+SELECT plan(28);
 
 CREATE FUNCTION pg_temp.t0() RETURNS timestamptz LANGUAGE sql AS $$ SELECT '2030-01-01 00:00:00+00'::timestamptz $$;
 CREATE FUNCTION pg_temp.at(p_seconds numeric) RETURNS timestamptz LANGUAGE sql AS $$ SELECT pg_temp.t0() + p_seconds * interval '1 second' $$;
@@ -44,6 +45,26 @@ SELECT results_eq($$SELECT queue, pending FROM queen.get_timer_stats('globex', p
                   $$VALUES ('alpha', 1::bigint), ('gamma', 1::bigint)$$,
                   'another tenant sees only its own timers, on the same queue name too');
 SELECT is((SELECT count(*) FROM queen.get_timer_stats('initech')), 0::bigint, 'a tenant with no timers: no rows');
+
+-- ---------------------------------------------------------------- pages, totals
+SELECT results_eq($$SELECT queue, pending FROM queen.get_timer_stats('acme', p_now => pg_temp.t0(), p_limit => 1)$$,
+                  $$VALUES ('alpha', 6::bigint)$$, 'p_limit: the first queues only');
+SELECT results_eq($$SELECT queue, pending, due_by_bucket = (SELECT s.due_by_bucket FROM queen.get_timer_stats('acme', p_now => pg_temp.t0()) s
+                                                                 WHERE s.queue = 'beta')
+                      FROM queen.get_timer_stats('acme', p_now => pg_temp.t0(), p_after => 'alpha', p_limit => 5)$$,
+                  $$VALUES ('beta', 1::bigint, true)$$, 'p_after: the queues after it, with the same counts and histogram');
+SELECT is((SELECT count(*) FROM queen.get_timer_stats('acme', p_after => 'beta')), 0::bigint, 'nothing after the last queue');
+SELECT results_eq($$SELECT queues, pending, due, claimed, retrying, next_deliver_at, pg_temp.hist(due_by_bucket)
+                      FROM queen.get_timer_totals('acme', p_now => pg_temp.t0())$$,
+                  $$VALUES (2::bigint, 7::bigint, 2::bigint, 0::bigint, 0::bigint, pg_temp.at(-5), '{2,2}')$$,
+                  'get_timer_totals: one row over every queue of the tenant');
+SELECT results_eq($$SELECT queues, pending, array_length(due_by_bucket, 1), pg_temp.hist(due_by_bucket)
+                      FROM queen.get_timer_totals('initech', 3, 30)$$,
+                  $$VALUES (0::bigint, 0::bigint, 3, '{}')$$, 'a tenant with no timers: one row of zeros');
+SELECT throws_ok($$SELECT * FROM queen.get_timer_stats('acme', p_limit => 0)$$, 'QTBAD', 'timers_bad_request', 'a page of no queue');
+SELECT throws_ok($$SELECT * FROM queen.get_timer_totals('acme', 1441)$$, 'QTBAD', 'timers_bad_request', 'totals: more than a day of minutes');
+SELECT is((SELECT provolatile::text FROM pg_proc WHERE oid = 'queen.get_timer_totals'::regproc), 's',
+          'get_timer_totals is STABLE too');
 
 -- ---------------------------------------------------------------- claimed, backoff
 CREATE TEMP TABLE cl AS SELECT * FROM queen.claim_timers('broker-1', 10, 5000, pg_temp.at(15));

@@ -159,8 +159,10 @@
     rows.forEach((row, i) => { row.firstChild.style.borderLeft = `4px solid ${queueColor(i)}`; });
     $("queues").querySelector("tbody").replaceChildren(...rows);
     const t = stats.totals;
-    $("queues").querySelector("tfoot").replaceChildren(stats.queues.length > 1 ? el("tr", { id: "queues-total" },
-      el("td", { text: `${stats.queues.length} queues` }),
+    // the route answers a page of queues (the first by name); the totals cover every one
+    const shown = stats.truncated ? `${stats.queues.length} of ${stats.queueCount} queues` : `${stats.queueCount} queues`;
+    $("queues").querySelector("tfoot").replaceChildren(stats.queueCount > 1 ? el("tr", { id: "queues-total" },
+      el("td", { text: shown }),
       el("td", { class: "num pending", text: fmtNumber(t.pending) }),
       el("td", { class: "num due", text: fmtNumber(t.due) }),
       el("td", { class: "num claimed", text: fmtNumber(t.claimed) }),
