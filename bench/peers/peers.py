@@ -68,7 +68,9 @@ def run_peer(system: str, measure: str, url: str, timeout: float, **cfg) -> dict
 
 # ------------------------------------------------------------------ queen
 def queen_schedule(url, broker, admin, side, n, clients) -> dict:
-    ops = schedule.batches(max(1, n // schedule.BATCH))
+    # n operations in all, as each peer schedules: the last batch holds what is left (100,000 = 390 x 256 + 160)
+    ops = schedule.batches(max(1, -(-n // schedule.BATCH)))
+    ops[-1] = ops[-1][:n - schedule.BATCH * (len(ops) - 1)]
     return schedule.run_side(url, broker, admin, side, ops, clients)
 
 
