@@ -201,12 +201,12 @@ class JsonErrorHttpToolsProtocol(HttpToolsProtocol):
     # answer: it is served here, without uvicorn's RequestResponseCycle and ASGI
     # messages (an asyncio.Event, the cycle, two send() calls with a regex per
     # header; it took 10 us of the broker's CPU and 0.03 ms of p50 off a DELETE in
-    # an A/B on this machine, docs/design.md). The
-    # endpoint, its handlers, JSON 500 and budget release are app.HotRoutes.respond's;
-    # the answer's bytes are those uvicorn writes (status line, its default headers,
-    # the response's headers, the body) in one write. Anything unusual (a body,
-    # Expect, an upgrade, HTTP/1.0, a pipelined request, the concurrency limit, a
-    # root path, the access log) takes uvicorn's own path.
+    # an A/B on this machine, docs/design.md). The endpoint, its handlers, JSON 500
+    # and budget release are app.HotRoutes.respond's; the answer's bytes are those
+    # uvicorn writes (status line, its default headers, the response's headers, the
+    # body) in one write. Anything unusual (a body, Expect, an upgrade, HTTP/1.0 or
+    # Connection: close, a pipelined request, the concurrency limit, a root path,
+    # the access log) takes uvicorn's own path.
 
     def _direct(self) -> bool:
         if self.parser.get_method() != b"DELETE" or self.access_log or self.root_path:
