@@ -114,6 +114,21 @@ def test_only_the_callers_tenant_and_read_only_access(jwt_client, db):
         assert [(q["queue"], q["pending"]) for q in body["queues"]] == [("alpha", 1), ("shared", 1)]
     body = jwt_client.get(STATS, headers=token("read-only", tenant="globex")).json()
     assert [(q["queue"], q["pending"]) for q in body["queues"]] == [("secret-queue", 1), ("shared", 1)]
+    # a page at a time, each tenant walks its own queues only, and its counts are its own
+    for tenant, expected in (("acme", ["alpha", "shared"]), ("globex", ["secret-queue", "shared"])):
+        seen, after = [], None
+        while True:
+            body = jwt_client.get(STATS, params={"limit": 1, **({"after": after} if after else {})},
+                                  headers=token("read-only", tenant=tenant)).json()
+            assert (body["queueCount"], body["totals"]["pending"]) == (2, 2)
+            seen += [q["queue"] for q in body["queues"]]
+            if not body["truncated"]:
+                break
+            after = body["nextAfter"]
+        assert seen == expected
+    # after "beta", acme's next queue is "shared": globex's "secret-queue", which sorts between, never shows
+    assert jwt_client.get(STATS, params={"after": "beta"}, headers=token("read-only")).json()["queues"][0]["queue"] \
+        == "shared"
 
 
 def test_the_dashboard_files_are_served_with_a_strict_policy(jwt_client, db):
