@@ -178,7 +178,7 @@ class JsonErrorHttpToolsProtocol(HttpToolsProtocol):
         self._head_timer = None
         if self.transport.is_closing() or (self.cycle is not None and not self._head_open):
             return  # a request is being served: its own bounds apply
-        self._send_json(b"408 Request Timeout", HEAD_TIMEOUT_BODY)
+        self._send_json(408, HEAD_TIMEOUT_BODY)
 
     def on_message_begin(self) -> None:
         self._head_bytes = 0
@@ -248,19 +248,12 @@ class JsonErrorHttpToolsProtocol(HttpToolsProtocol):
             release_body(scope)
         if cycle.disconnected:
             return
-        body = response.body
-        out = [STATUS_LINE[response.status_code]]
-        for name, value in self.server_state.default_headers:
-            out += (name, b": ", value, b"\r\n")
-        said_close = False
-        for name, value in response.raw_headers:
-            if name == b"connection" and b"close" in value.lower():
-                cycle.keep_alive, said_close = False, True
-            out += (name, b": ", value, b"\r\n")
-        if not cycle.keep_alive and not said_close:
-            out.append(b"connection: close\r\n")  # shutdown() asked for it
-        out += (b"\r\n", body)
-        self.transport.write(b"".join(out))
+        headers = response.raw_headers
+        if any(name == b"connection" and b"close" in value.lower() for name, value in headers):
+            cycle.keep_alive = False
+        elif not cycle.keep_alive:  # shutdown() asked for it
+            headers = [*headers, (b"connection", b"close")]
+        self.transport.write(self._answer(response.status_code, headers, response.body))
         cycle.response_complete = True
         if not cycle.keep_alive:
             self.transport.close()
@@ -289,20 +282,24 @@ class JsonErrorHttpToolsProtocol(HttpToolsProtocol):
         super().on_header(name, value)
 
     def send_400_response(self, msg: str) -> None:  # overrides uvicorn's text/plain answer
-        self._send_json(b"400 Bad Request", BAD_REQUEST_BODY)
+        self._send_json(400, BAD_REQUEST_BODY)
 
-    def _send_json(self, status: bytes, body: bytes) -> None:
+    def _send_json(self, status: int, body: bytes) -> None:
         if self.transport.is_closing():
             return
-        self.transport.write(b"".join([
-            b"HTTP/1.1 " + status + b"\r\n",
-            *(name + b": " + value + b"\r\n" for name, value in self.server_state.default_headers),
-            b"content-type: application/json\r\n",
-            b"content-length: " + str(len(body)).encode() + b"\r\n",
-            b"connection: close\r\n\r\n",
-            body,
-        ]))
+        self.transport.write(self._answer(status, [(b"content-type", b"application/json"),
+                                                   (b"content-length", str(len(body)).encode()),
+                                                   (b"connection", b"close")], body))
         self.transport.close()
+
+    def _answer(self, status: int, headers, body: bytes) -> bytes:
+        """A response as uvicorn writes one: status line, its default headers (date,
+        server), the given headers, the body."""
+        out = [STATUS_LINE[status]]
+        for name, value in (*self.server_state.default_headers, *headers):
+            out += (name, b": ", value, b"\r\n")
+        out += (b"\r\n", body)
+        return b"".join(out)
 
 
 class JsonErrorH11Protocol(H11Protocol):
