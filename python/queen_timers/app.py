@@ -152,6 +152,7 @@ class BrokerApp(Starlette):
     """Starlette, with HotRoutes in front of its stack."""
 
     hot: HotRoutes | None = None
+    on_connection_reclaimed = staticmethod(lambda: None)  # server.py closed an idle connection to admit one
 
     async def __call__(self, scope, receive, send) -> None:
         if (self.hot is not None and scope["type"] == "http" and not scope.get("root_path")
@@ -216,6 +217,7 @@ def create_app(settings: Settings | None = None) -> Starlette:
     )
     app.hot = HotRoutes([(routes_timers.SCHEDULE_ROUTE, "POST"), (routes_timers.KEY_ROUTE, "DELETE")])
     app.hot.on_direct = sweeper.metrics.http_direct.inc
+    app.on_connection_reclaimed = sweeper.metrics.http_reclaimed.inc
     app.state.settings = settings
     budget = app.state.body_budget = BodyBudget(settings.body_budget_bytes, settings.body_wait_ms,
                                                 on_refuse=sweeper.metrics.body_budget_refusals.inc)
@@ -223,6 +225,7 @@ def create_app(settings: Settings | None = None) -> Starlette:
     app.state.pool = pool
     app.state.read_pool = read_pool
     app.state.auth = Authenticator(settings)
+    app.state.request_slots = app.state.auth.slots
     app.state.sweeper = sweeper
     app.state.retention = retention
     return app

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import jwt
 from starlette.requests import Request
 
-from .bodies import TENANT_KEY
+from .bodies import TENANT_KEY, RequestSlots
 from .config import Settings
 from .errors import ApiError
 
@@ -58,6 +58,7 @@ class Authenticator:
             self.key = settings.jwt_secret
             self.algorithms = ["HS256"]
         self.leeway = settings.jwt_leeway_seconds
+        self.slots = RequestSlots(settings.tenant_max_requests)
 
     def principal(self, request: Request) -> Principal:
         if not self.enabled:
@@ -93,4 +94,5 @@ class Authenticator:
         request.scope[TENANT_KEY] = principal.tenant  # the body budget's share is per tenant
         if not principal.allows(level):
             raise ApiError(403, "forbidden", f"this route needs {level}; the credential is {principal.role}")
+        self.slots.take(request.scope, principal.tenant)  # 429 past the tenant's share of requests
         return principal

@@ -94,6 +94,7 @@ def body_too_large(cap: int, seen: int | None = None, *, variable: str = "QUEEN_
 
 HELD_KEY = "queen.body_held"    # scope key: [(tenant, weight), ...] this request holds
 TENANT_KEY = "queen.tenant"     # scope key: set by Authenticator.require
+SLOT_KEY = "queen.request_slot"  # scope key: the tenant whose request slot this request holds
 
 
 class BodyBudget:
@@ -182,6 +183,40 @@ class BodyBudget:
                 waiter.set_result(None)
 
 
+class RequestSlots:
+    """Requests in progress on this broker, per tenant: one tenant holds at most
+    `per_tenant` of them (QUEEN_TENANT_MAX_REQUESTS), so requests it keeps open
+    (slow bodies, long polls) cannot take every slot of QUEEN_MAX_CONNECTIONS
+    from the others. A slot is taken when the request is authenticated
+    (Authenticator.require) and given back with its body weight (release_body)."""
+
+    def __init__(self, per_tenant: int):
+        self.per_tenant = per_tenant
+        self.by_tenant: dict[str, int] = {}
+
+    def take(self, scope: dict, tenant: str) -> None:
+        if SLOT_KEY in scope:  # a route that authenticates twice holds one slot
+            return
+        n = self.by_tenant.get(tenant, 0)
+        if n >= self.per_tenant:
+            # capacity, as the body budget's tenant half: 503 (a 429 is a rung of the gate ladder,
+            # which a DELETE never meets; docs/limits.md)
+            raise ApiError(503, "timers_unavailable",
+                           f"this tenant has {n} requests in progress on this broker, its share "
+                           f"(QUEEN_TENANT_MAX_REQUESTS); retry when one ends", {"Retry-After": "1"})
+        self.by_tenant[tenant] = n + 1
+        scope[SLOT_KEY] = tenant
+
+    def release(self, scope: dict) -> None:
+        tenant = scope.pop(SLOT_KEY, None)
+        if tenant is not None:
+            left = self.by_tenant[tenant] - 1
+            if left:
+                self.by_tenant[tenant] = left
+            else:
+                del self.by_tenant[tenant]
+
+
 def busy(detail: str) -> ApiError:
     return ApiError(503, "timers_unavailable",
                     f"{detail} (QUEEN_BODY_BUDGET_BYTES); retry", {"Retry-After": "1"})
@@ -234,7 +269,10 @@ class BodyBudgetRelease:
 
 
 def release_body(scope) -> None:
-    """Give back what the request of `scope` holds of the body budget (if anything)."""
+    """Give back what the request of `scope` holds of the body budget (if anything),
+    and its tenant's request slot (RequestSlots)."""
+    if SLOT_KEY in scope:
+        scope["app"].state.request_slots.release(scope)
     if HELD_KEY in scope:
         budget = scope.get("app") and scope["app"].state.body_budget
         if budget is not None and budget.release(scope) >= TRIM_AFTER_BYTES:

@@ -106,6 +106,7 @@ class Settings:
     # a pop's stored payload bytes (queen.pop_messages p_max_bytes; the first message always goes)
     pop_max_bytes: int = 16 * 1024 * 1024
     max_connections: int = 1000
+    tenant_max_requests: int = 1000  # from_env: half of max_connections under JWT, all of it with auth off
     json_max_values: int = 1_000_000
     timers_stage_bytes: int = 4 * 1024 * 1024
     # security and tenancy
@@ -156,7 +157,11 @@ class Settings:
             body_wait_ms=_int(env, "QUEEN_BODY_WAIT_MS", 5000, 0),
             body_timeout_ms=_int(env, "QUEEN_BODY_TIMEOUT_MS", 120000, 1),
             head_timeout_ms=_int(env, "QUEEN_HEAD_TIMEOUT_MS", 10000, 1),
-            max_connections=_int(env, "QUEEN_MAX_CONNECTIONS", 1000, 1),
+            max_connections=(max_conn := _int(env, "QUEEN_MAX_CONNECTIONS", 1000, 1)),
+            # one tenant's requests in progress: half the broker's under JWT (another tenant always
+            # finds room); with auth off every request is tenant `default`'s
+            tenant_max_requests=_int(env, "QUEEN_TENANT_MAX_REQUESTS",
+                                     max(1, max_conn // 2) if auth == "jwt" else max_conn, 1),
             json_max_values=_int(env, "QUEEN_JSON_MAX_VALUES", 1_000_000, 1),
             timers_stage_bytes=_int(env, "QUEEN_TIMERS_STAGE_BYTES", 4 * 1024 * 1024, 0),
             encryption_key=_key(env),

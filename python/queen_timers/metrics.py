@@ -131,6 +131,10 @@ class Metrics:
             "DELETE requests on the timer key route served by the HTTP server's direct lane (server.py) "
             "rather than by uvicorn's request cycle",
             registry=r)
+        self.http_reclaimed = Counter(
+            "queen_timers_http_connections_reclaimed",
+            "Idle connections closed to admit a new one past QUEEN_MAX_CONNECTIONS (server.py)",
+            registry=r)
         self.pending = Gauge(
             "queen_timers_pending", "Pending timers in the cell (read from PostgreSQL at scrape)", registry=r)
         self.fire_paused = Gauge(

@@ -13,13 +13,17 @@ a client can neither make the broker buffer an unbounded head nor see a
 different limit than before. JsonErrorH11Protocol is the pure-Python h11
 equivalent (uvicorn's default parser), kept for the tests that compare them.
 
-Two more bounds that no client can lift: a request head must have arrived
+More bounds that no client can lift: a request head must have arrived
 within head_timeout_s of the connection (or of the request's first byte),
 else 408 request_timeout and the connection is closed (uvicorn waits for a
-head for ever: a client trickling one byte at a time held its connection);
-and past QUEEN_MAX_CONNECTIONS connections or requests at once, uvicorn's
-limit_concurrency answers 503 timers_unavailable in JSON (its own answer is
-plain text).
+head for ever: a client trickling one byte at a time held its connection).
+QUEEN_MAX_CONNECTIONS bounds two things. Requests in progress: past it, a
+new one is answered 503 timers_unavailable in JSON (uvicorn's own answer is
+plain text). Connections held open: past it, the connection idle longest
+(between keep-alive requests, or its head not complete) is closed to let the
+new one in (_admit), as nginx reuses its keep-alive connections. uvicorn's
+limit_concurrency counted idle connections as load: anyone holding that many
+open and silent, with no credential, had every other request answered 503.
 
 The same protocol serves a DELETE on the timer key route without uvicorn's
 request cycle (the direct lane, below; docs/design.md).
@@ -54,7 +58,12 @@ HEAD_TIMEOUT_BODY = json.dumps({
 }).encode()
 BUSY_BODY = json.dumps({
     "error": "timers_unavailable",
-    "detail": "the broker is serving QUEEN_MAX_CONNECTIONS connections or requests at once; retry",
+    "detail": "the broker is serving QUEEN_MAX_CONNECTIONS requests at once; retry",
+}).encode()
+RECLAIMED_BODY = json.dumps({
+    "error": "timers_unavailable",
+    "detail": "the broker holds QUEEN_MAX_CONNECTIONS connections and closed this one, whose request "
+              "head was the slowest to arrive; retry",
 }).encode()
 
 
@@ -142,6 +151,10 @@ class DirectCycle:
         self.body = b""
 
 
+def _nothing() -> None:
+    pass
+
+
 async def _no_body() -> dict:
     return {"type": "http.request", "body": b"", "more_body": False}
 
@@ -157,13 +170,53 @@ class JsonErrorHttpToolsProtocol(HttpToolsProtocol):
     def with_head_timeout(cls, seconds: float) -> type["JsonErrorHttpToolsProtocol"]:
         return type(cls.__name__, (cls,), {"head_timeout_s": seconds})
 
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        # uvicorn's check counts connections as well as requests; _busy counts requests
+        self.max_requests, self.limit_concurrency = self.limit_concurrency, None
+        state = self.server_state
+        if not hasattr(state, "queen_idle"):
+            # connections serving no request, the one idle longest first (dicts keep their order)
+            state.queen_idle = {}
+        self._idle: dict = state.queen_idle
+
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
         self._start_head_timer()  # a connection that never sends a head is closed too
+        self._idle[self] = None
+        if self.max_requests is not None and len(self.connections) > self.max_requests:
+            self._admit()
 
     def connection_lost(self, exc) -> None:
         self._stop_head_timer()
+        self._idle.pop(self, None)
         super().connection_lost(exc)
+
+    def _admit(self) -> None:
+        """One connection too many: close the one idle longest, not this new one. A
+        keep-alive connection between requests is closed as its keep-alive timeout
+        would close it (its client opens another); one still sending its head gets
+        a JSON 503. None idle (every connection is serving a request): this one stays,
+        and its request meets _busy; the next connection to arrive reclaims it first
+        if it is still idle, so connections never exceed the limit by more than one."""
+        victim = next(iter(self._idle))
+        if victim is self:
+            return
+        self._idle.pop(victim)
+        getattr(self.app, "on_connection_reclaimed", _nothing)()
+        if victim._head_open:
+            victim._send_json(503, RECLAIMED_BODY, ((b"retry-after", b"1"),))
+        else:
+            victim.transport.close()
+
+    def _busy(self) -> bool:
+        return self.max_requests is not None and len(self.tasks) >= self.max_requests
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if self.timeout_keep_alive_task is not None:  # idle, waiting for the next request
+            self._idle.pop(self, None)
+            self._idle[self] = None  # the most recently idle goes last
 
     def _start_head_timer(self) -> None:
         if self._head_timer is None:
@@ -190,9 +243,17 @@ class JsonErrorHttpToolsProtocol(HttpToolsProtocol):
     def on_headers_complete(self) -> None:
         self._head_open = False
         self._stop_head_timer()
+        self._idle.pop(self, None)  # serving a request: never reclaimed
         if self._direct():
             return
-        super().on_headers_complete()
+        if self._busy():  # uvicorn's path to its (JSON) 503
+            app, self.app = self.app, json_service_unavailable
+            try:
+                super().on_headers_complete()
+            finally:
+                self.app = app
+        else:
+            super().on_headers_complete()
         if self.cycle is not None and not isinstance(self.cycle.transport, OneWrite):
             self.cycle.transport = OneWrite(self.transport, self.cycle)
 
@@ -217,9 +278,8 @@ class JsonErrorHttpToolsProtocol(HttpToolsProtocol):
             return False
         if self.cycle is not None and not self.cycle.response_complete:
             return False  # pipelined behind a request still being served: uvicorn queues it
-        if self.limit_concurrency is not None and (len(self.connections) >= self.limit_concurrency
-                                                   or len(self.tasks) >= self.limit_concurrency):
-            return False  # uvicorn's (JSON) 503
+        if self._busy():
+            return False  # uvicorn's path to the JSON 503
         for name, value in self.headers:
             if name == b"transfer-encoding" or (name == b"content-length" and value != b"0"):
                 return False
@@ -284,12 +344,12 @@ class JsonErrorHttpToolsProtocol(HttpToolsProtocol):
     def send_400_response(self, msg: str) -> None:  # overrides uvicorn's text/plain answer
         self._send_json(400, BAD_REQUEST_BODY)
 
-    def _send_json(self, status: int, body: bytes) -> None:
+    def _send_json(self, status: int, body: bytes, extra=()) -> None:
         if self.transport.is_closing():
             return
         self.transport.write(self._answer(status, [(b"content-type", b"application/json"),
                                                    (b"content-length", str(len(body)).encode()),
-                                                   (b"connection", b"close")], body))
+                                                   (b"connection", b"close"), *extra], body))
         self.transport.close()
 
     def _answer(self, status: int, headers, body: bytes) -> bytes:

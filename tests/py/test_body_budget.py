@@ -282,23 +282,6 @@ def test_a_request_head_that_never_completes_is_408_and_closed(spawn_broker, db)
         assert_still_healthy(c, db)
 
 
-def test_past_the_connection_limit_the_answer_is_a_json_503_with_retry_after(spawn_broker, db):
-    b = spawn_broker(QUEEN_MAX_CONNECTIONS="3")
-    held = [socket.create_connection(("127.0.0.1", b.port), timeout=10) for _ in range(3)]
-    try:
-        time.sleep(0.2)
-        r = httpx.get(f"{b.url}/api/v1/timers/reminders", timeout=10)
-        assert_json_error(r, 503, "timers_unavailable")
-        assert r.headers["retry-after"] == "1"
-    finally:
-        for sock in held:
-            sock.close()
-    deadline = time.monotonic() + 5
-    while httpx.get(f"{b.url}/health", timeout=10).status_code != 200:
-        assert time.monotonic() < deadline
-        time.sleep(0.1)
-
-
 # ---------------------------------------------------------------------------
 # a pop's answer: bounded by bytes, weighed while it is built
 # ---------------------------------------------------------------------------

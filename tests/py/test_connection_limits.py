@@ -1,0 +1,177 @@
+"""QUEEN_MAX_CONNECTIONS and QUEEN_TENANT_MAX_REQUESTS: no client, with or without a
+credential, can lock the others out of a broker by holding connections or requests.
+
+- Connections held open and silent (or between keep-alive requests, or with a head
+  half sent) are reclaimed, the one idle longest first, when a new connection
+  arrives past the limit; a half-sent head is told so in JSON (503, Retry-After).
+- Requests in progress are never reclaimed; past the limit a new request is
+  answered 503 timers_unavailable with Retry-After, and served once one ends.
+- One tenant holds at most its share of the requests in progress (half, under
+  JWT): its next one is 503 timers_unavailable with Retry-After (capacity, as the
+  body budget's tenant half: a DELETE meets no rung of the gate ladder), while another tenant
+  is served; a share is given back however the request ends.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import socket
+import time
+
+import httpx
+
+from test_body_budget import open_post
+from test_input_limits import assert_json_error, read_response
+from timers_util import JWT_SECRET, op, token
+
+PATH = "/api/v1/timers/reminders"
+
+
+def reclaimed(broker) -> float:
+    text = httpx.get(f"{broker.url}/metrics/prometheus", timeout=10).text
+    return float(re.search(r"^queen_timers_http_connections_reclaimed_total (\S+)$", text, re.M).group(1))
+
+
+def closed_by_server(sock: socket.socket, timeout: float = 5.0) -> bytes | None:
+    """What the server sent before closing `sock` (b"" for a bare close), or None if it is still open."""
+    sock.settimeout(timeout)
+    got = b""
+    try:
+        while chunk := sock.recv(65536):
+            got += chunk
+    except socket.timeout:
+        return None
+    except ConnectionResetError:
+        pass
+    return got
+
+
+def still_open(sock: socket.socket) -> bool:
+    sock.settimeout(0.05)
+    try:
+        return sock.recv(1, socket.MSG_PEEK) != b""
+    except socket.timeout:
+        return True  # nothing to read and no EOF
+    except OSError:
+        return False
+
+
+def keep_alive_get(port: int) -> socket.socket:
+    """A connection that made one request and now sits idle between requests."""
+    sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+    sock.sendall(f"GET {PATH} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+    status, _, _ = read_response(sock, timeout=10)
+    assert status == 200
+    return sock
+
+
+def test_silent_and_idle_connections_cannot_lock_others_out(spawn_broker, db):
+    # before: uvicorn's limit counted every open connection, so 4 silent sockets (no credential,
+    # not a byte sent) had every other request answered 503 until the head timeout closed them
+    b = spawn_broker(QUEEN_MAX_CONNECTIONS="4")
+    before = reclaimed(b)
+    idle = [keep_alive_get(b.port) for _ in range(2)]
+    silent = [socket.create_connection(("127.0.0.1", b.port), timeout=10) for _ in range(10)]
+    try:
+        time.sleep(0.2)
+        for _ in range(12):  # a new connection each time, as a client whose pool is empty
+            r = httpx.get(f"{b.url}{PATH}", timeout=10)
+            assert r.status_code == 200, r.text
+        # the idle ones were closed first, oldest first, without a word (as a keep-alive timeout does)
+        for sock in idle:
+            assert closed_by_server(sock) == b""
+        # 12 held on a limit of 4: 8 reclaimed as they came, then one for the first request's
+        # connection (each later one found room left by the one before, closed by httpx)
+        # (at least: a request's connection may arrive before the server has seen the last one close)
+        assert sum(closed_by_server(s, 0.5) == b"" for s in silent) >= 7
+        assert sum(still_open(s) for s in silent) <= 3
+        assert reclaimed(b) - before >= 9
+    finally:
+        for sock in idle + silent:
+            sock.close()
+
+
+def test_a_head_half_sent_when_reclaimed_is_answered_a_json_503(spawn_broker, db):
+    b = spawn_broker(QUEEN_MAX_CONNECTIONS="2")
+    slow = socket.create_connection(("127.0.0.1", b.port), timeout=10)
+    try:
+        slow.sendall(b"GET /api/v1/timers/reminders HTTP/1.1\r\nHost: x\r\nX-Slow:")
+        time.sleep(0.2)
+        with httpx.Client(base_url=b.url, timeout=10) as c1, httpx.Client(base_url=b.url, timeout=10) as c2:
+            assert c1.get(PATH).status_code == 200
+            assert c2.get(PATH).status_code == 200  # the third connection: the half head makes room
+            status, headers, body = read_response(slow, timeout=5)
+            assert status == 503 and headers["content-type"] == "application/json", body
+            assert headers["retry-after"] == "1" and headers["connection"] == "close"
+            assert json.loads(body)["error"] == "timers_unavailable"
+            assert c1.get(PATH).status_code == 200  # a keep-alive client goes on as before
+    finally:
+        slow.close()
+
+
+def test_requests_in_progress_are_never_reclaimed_and_past_the_limit_a_request_is_a_json_503(
+        spawn_broker, db):
+    b = spawn_broker(QUEEN_MAX_CONNECTIONS="3")
+    body = json.dumps({"operations": [op("schedule", "k1")]}).encode()
+    # three requests in progress: heads complete, bodies still to come
+    held = [open_post(b.port, "/api/v1/timers", len(body), body[:5]) for _ in range(3)]
+    try:
+        time.sleep(0.3)
+        r = httpx.get(f"{b.url}{PATH}", timeout=10)
+        assert_json_error(r, 503, "timers_unavailable")
+        assert r.headers["retry-after"] == "1"
+        assert all(still_open(s) for s in held)  # busy connections are not reclaimed
+        held[0].sendall(body[5:])  # one ends: its answer arrives, and there is room again
+        status, _, answer = read_response(held[0], timeout=10)
+        assert status == 200 and json.loads(answer)["results"][0]["status"] == "scheduled", answer
+        deadline = time.monotonic() + 5
+        while (r := httpx.get(f"{b.url}{PATH}", timeout=10)).status_code != 200:
+            assert r.status_code == 503 and time.monotonic() < deadline, r.text
+            time.sleep(0.05)
+        assert [t["timerKey"] for t in r.json()["rows"]] == ["k1"]
+    finally:
+        for sock in held:
+            sock.close()
+
+
+def test_one_tenant_holds_at_most_its_share_of_the_requests_in_progress(spawn_broker, db):
+    b = spawn_broker(QUEEN_MAX_CONNECTIONS="6", QUEEN_AUTH="jwt", QUEEN_JWT_SECRET=JWT_SECRET)  # a share: 3
+    acme = token("read-write", tenant="acme")
+    globex = token("read-write", tenant="globex")
+    auth_line = f"Authorization: {acme['Authorization']}\r\n"
+    body = json.dumps({"operations": [op("schedule", "k1")]}).encode()
+    held = [open_post(b.port, "/api/v1/timers", len(body), body[:5], auth_line) for _ in range(3)]
+    try:
+        time.sleep(0.3)
+        with b.client() as c:
+            r = c.get(PATH, headers=acme)  # acme's fourth request in progress
+            err = assert_json_error(r, 503, "timers_unavailable")
+            assert r.headers["retry-after"] == "1" and "QUEEN_TENANT_MAX_REQUESTS" in err["detail"]
+            assert_json_error(c.delete(f"{PATH}/k1", headers=acme), 503, "timers_unavailable")  # direct lane
+            # another tenant is served meanwhile, reads and writes
+            assert c.get(PATH, headers=globex).json()["rows"] == []
+            r = c.post("/api/v1/timers", headers=globex, json={"operations": [op("schedule", "g1")]})
+            assert r.status_code == 200, r.text
+            assert c.delete(f"{PATH}/g1", headers=globex).json()["status"] == "cancelled"
+            # acme's requests end (one answered, two abandoned by their client): its share is back
+            held[0].sendall(body[5:])
+            assert read_response(held[0], timeout=10)[0] == 200
+            held[1].close()
+            held[2].close()
+            deadline = time.monotonic() + 5
+            while (r := c.get(PATH, headers=acme)).status_code == 503:
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+            assert r.status_code == 200 and [t["timerKey"] for t in r.json()["rows"]] == ["k1"]
+            more = [open_post(b.port, "/api/v1/timers", len(body), body[:5], auth_line) for _ in range(2)]
+            try:
+                time.sleep(0.3)
+                assert c.get(PATH, headers=acme).status_code == 200  # 2 held + this one: within 3
+            finally:
+                for sock in more:
+                    sock.close()
+    finally:
+        for sock in held:
+            sock.close()
+    assert db.execute("SELECT count(*) AS n FROM queen.timers").fetchone()["n"] == 1  # k1; g1 cancelled
