@@ -224,8 +224,8 @@ def main() -> int:
     ap.add_argument("--cancel-http-n", type=int, default=3000, help="HTTP DELETEs per run")
     ap.add_argument("--cancel-load-seconds", type=float, default=20, help="seconds per window under load")
     ap.add_argument("--cancel-load-rounds", type=int, default=5,
-                    help="windows under load per client kind (http, sql), alternating")
-    ap.add_argument("--cancel-load-clients", default="http,sql",
+                    help="windows under load per client kind (http, sql, fsync), alternating")
+    ap.add_argument("--cancel-load-clients", default="http,sql,fsync",
                     help="who cancels under load: http (DELETE via the broker), sql (queen.cancel_timer direct), "
                          "fsync (no cancel: write + fdatasync in the data directory, timed)")
     ap.add_argument("--cancel-load-generator", default="process", choices=("process", "thread"),

@@ -5,9 +5,10 @@ Under load (issue 12's "p99 <= 5 ms at 200 cancels/s while 1,000 timers/s
 fire"): rounds of windows, each printed, then the median of the per-window
 p99s. The load generator runs in a process of its own (not a thread of the
 timing client); beside the HTTP windows, the same cancels straight to
-PostgreSQL (`sql`, the floor the HTTP path stands on), the disk alone
-(`fsync`), and the DELETE through a broker with another HTTP parser or loop
-(`--cancel-load-variant`, bench/broker_variant.py) can run, rotating order.
+PostgreSQL (`sql`, the floor the HTTP path stands on) and the disk alone
+(`fsync`: a commit's fdatasync at the same times, with nothing else) run by
+default, rotating order, and the DELETE through a broker with another HTTP
+parser or loop (`--cancel-load-variant`, bench/broker_variant.py) can.
 
 Fairness of the SQL comparison (issue 12):
 - one client connection for both sides (same settings), statements prepared
@@ -541,6 +542,14 @@ def bench_under_load(url: str, broker: Broker, res, admin, rounds: int, seconds:
         log(f"  median {c:4s}: p50 {med[c]['p50_ms']:.2f} ms  p99 {med[c]['p99_ms']:.2f} ms (per run "
             f"{', '.join(f'{x:.2f}' for x in p99s)})  max {med[c]['max_ms']:.2f} ms  WAL fsync "
             f"{med[c]['wal_sync_ms']:.3f} ms mean{target}")
+    if "http" in med and "fsync" in med:
+        # a DELETE commits: one WAL fdatasync at least. Where the disk alone passes 5 ms at p99
+        # in a window, no cancel (HTTP or SQL) can meet the target in it
+        within = sum((x["p99_ms"] or 0) <= 5 for x in runs["fsync"])
+        log(f"  reading: DELETE p99 {med['http']['p99_ms']:.2f} ms"
+            + (f", the SQL baseline {med['sql']['p99_ms']:.2f} ms" if "sql" in med else "")
+            + f", the disk alone {med['fsync']['p99_ms']:.2f} ms; the disk's own p99 was within 5 ms in "
+              f"{within} of {len(runs['fsync'])} windows")
     last = runs[clients[0]][-1]
     log("  server side during the last window (calls, mean ms, max ms, statement):")
     for x in last["server_sql"]:
@@ -557,7 +566,7 @@ def bench_under_load(url: str, broker: Broker, res, admin, rounds: int, seconds:
 
 def bench_cancel(url: str, broker: Broker, res, n: int, rounds: int, http_n: int, load_seconds: float,
                  fire_rate: int = 1000, cancel_rate: int = 200, load_rounds: int = 5,
-                 load_clients: tuple[str, ...] = ("http", "sql"), generator: str = "process",
+                 load_clients: tuple[str, ...] = ("http", "sql", "fsync"), generator: str = "process",
                  load_only: bool = False, variants: dict[str, Broker] | None = None) -> None:
     try:
         _bench_cancel(url, broker, res, n, rounds, http_n, load_seconds, fire_rate, cancel_rate, load_rounds,
