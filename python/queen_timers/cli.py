@@ -210,7 +210,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from .app import create_app
     from .db import conninfo
     from .migrate import migrate
-    from .server import JsonErrorHttpToolsProtocol
+    from .server import JsonErrorHttpToolsProtocol, fit_open_files
 
     env = dict(os.environ)
     if args.database_url:
@@ -239,6 +239,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise mapped from None
     if applied:
         logging.getLogger("queen_timers").info("applied migrations %s", applied)
+    settings = fit_open_files(settings)  # QUEEN_MAX_CONNECTIONS within RLIMIT_NOFILE
     # httptools (llhttp, C) and uvloop: the request path's parsing and event loop in C
     # (bench/history/2026-12-03-cancel-issue-12.md); server.py keeps the JSON 400 and the 16 KiB head limit
     app = create_app(settings)

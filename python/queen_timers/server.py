@@ -32,7 +32,10 @@ request cycle (the direct lane, below; docs/design.md).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
+import logging
+import resource
 import urllib.parse
 
 import h11
@@ -44,6 +47,37 @@ from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 from .bodies import release_body
 
 MAX_HEAD_BYTES = 16 * 1024  # h11's max_incomplete_event_size default, uvicorn's h11 limit
+# file descriptors a broker needs besides its HTTP connections: its database connections
+# (the request and read pools, the sweeper's, retention's), the listening socket, stdio, logs
+OTHER_FILES = 64
+
+
+def fit_open_files(settings):
+    """QUEEN_MAX_CONNECTIONS connections need as many file descriptors. A process past its
+    RLIMIT_NOFILE cannot accept(): every new client, whoever it is, has its connection
+    dropped without an answer, so one client holding idle sockets would take the broker
+    down before _admit could reclaim any. The soft limit (1,024 under systemd's default)
+    is raised as far as the hard one allows; if that is still short, QUEEN_MAX_CONNECTIONS
+    is lowered to fit, with a warning, so that the bound the broker enforces is one it can."""
+    need = settings.max_connections + OTHER_FILES + 2 * settings.pool_max
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < need:
+        target = need if hard == resource.RLIM_INFINITY else min(hard, need)
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError):
+            pass
+    if soft == resource.RLIM_INFINITY or soft >= need:
+        return settings
+    fits = max(1, soft - OTHER_FILES - 2 * settings.pool_max)
+    tenant = min(settings.tenant_max_requests, max(1, fits // 2) if settings.auth == "jwt" else fits)
+    logging.getLogger("queen_timers").warning(
+        "QUEEN_MAX_CONNECTIONS=%s needs %s open files and this process may open %s (RLIMIT_NOFILE, "
+        "hard limit %s): serving at most %s connections (QUEEN_TENANT_MAX_REQUESTS %s); raise the "
+        "limit (ulimit -n, systemd LimitNOFILE) to serve more", settings.max_connections, need, soft,
+        hard, fits, tenant)
+    return dataclasses.replace(settings, max_connections=fits, tenant_max_requests=tenant)
 
 BAD_REQUEST_BODY = json.dumps({
     "error": "timers_bad_request",

@@ -133,7 +133,7 @@ class Broker:
         return self.log_path.read_text(errors="replace")
 
 
-def start_broker(database_url: str, log_dir: Path, **env: str) -> Broker:
+def start_broker(database_url: str, log_dir: Path, preexec_fn=None, **env: str) -> Broker:
     port = free_port()
     full_env = {
         **os.environ,
@@ -146,7 +146,7 @@ def start_broker(database_url: str, log_dir: Path, **env: str) -> Broker:
     log_path = log_dir / f"broker-{port}.log"
     with open(log_path, "wb") as out:
         proc = subprocess.Popen([sys.executable, "-m", "queen_timers"], env=full_env,
-                                stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
+                                stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, preexec_fn=preexec_fn)
     broker = Broker(url=f"http://127.0.0.1:{port}", port=port, proc=proc, log_path=log_path, env=env)
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
@@ -241,8 +241,8 @@ def spawn_broker(db, database_url, tmp_path, _broker_cache):
     started: list[Broker] = []
     _broker_cache.stop(keep=_broker_cache.in_use)
 
-    def spawn(**env) -> Broker:
-        b = start_broker(database_url, tmp_path, **env)
+    def spawn(preexec_fn=None, **env) -> Broker:
+        b = start_broker(database_url, tmp_path, preexec_fn=preexec_fn, **env)
         started.append(b)
         return b
 

@@ -15,7 +15,9 @@ credential, can lock the others out of a broker by holding connections or reques
 from __future__ import annotations
 
 import json
+import os
 import re
+import resource
 import socket
 import time
 
@@ -175,3 +177,63 @@ def test_one_tenant_holds_at_most_its_share_of_the_requests_in_progress(spawn_br
         for sock in held:
             sock.close()
     assert db.execute("SELECT count(*) AS n FROM queen.timers").fetchone()["n"] == 1  # k1; g1 cancelled
+
+
+# ---------------------------------------------------------------------------
+# the open-files limit: the connection limit is one the process can keep
+# ---------------------------------------------------------------------------
+
+def open_files_limit(soft: int, hard: int | None = None):
+    def apply():
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+                                                    if hard is None else hard))
+    return apply
+
+
+def hold_silent(port: int, n: int) -> list[socket.socket]:
+    held = []
+    for _ in range(n):
+        sock = socket.socket()
+        sock.setblocking(False)
+        try:
+            sock.connect(("127.0.0.1", port))
+        except BlockingIOError:
+            pass
+        held.append(sock)
+    return held
+
+
+def test_past_a_low_open_files_limit_a_flood_of_silent_sockets_still_cannot_lock_others_out(spawn_broker, db):
+    # before: with QUEEN_MAX_CONNECTIONS over what RLIMIT_NOFILE allows, the flood ran the process out
+    # of file descriptors before the limit was reached, and every other client's connection was dropped
+    # with no answer at all (httpx: RemoteProtocolError)
+    b = spawn_broker(preexec_fn=open_files_limit(200, 200))  # QUEEN_MAX_CONNECTIONS 1000 by default
+    assert "serving at most 116 connections" in b.log()  # 200 - 64 - 2 x QUEEN_POOL_MAX
+    held = hold_silent(b.port, 400)
+    try:
+        time.sleep(0.5)
+        for _ in range(10):
+            r = httpx.get(f"{b.url}{PATH}", timeout=10)
+            assert r.status_code == 200, r.text
+        assert len(os.listdir(f"/proc/{b.proc.pid}/fd")) <= 200
+    finally:
+        for sock in held:
+            sock.close()
+
+
+def test_a_soft_open_files_limit_below_the_connection_limit_is_raised(spawn_broker, db):
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    need = 300 + 64 + 20
+    assert hard == resource.RLIM_INFINITY or hard >= need, "this machine's hard limit is below the test's need"
+    b = spawn_broker(preexec_fn=open_files_limit(100), QUEEN_MAX_CONNECTIONS="300")
+    limits = open(f"/proc/{b.proc.pid}/limits").read()
+    soft = int(re.search(r"^Max open files\s+(\d+)", limits, re.M).group(1))
+    assert soft == need and "serving at most" not in b.log()
+    held = hold_silent(b.port, 500)
+    try:
+        time.sleep(0.5)
+        for _ in range(10):
+            assert httpx.get(f"{b.url}{PATH}", timeout=10).status_code == 200
+    finally:
+        for sock in held:
+            sock.close()
