@@ -22,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from harness import OUT, Cluster, Results, connect, explain_rolled_back, load_timers, log, start_broker  # noqa: E402
 import cancel  # noqa: E402
+import conns  # noqa: E402
 import drills  # noqa: E402
 import failover  # noqa: E402
 import mem  # noqa: E402
@@ -33,7 +34,7 @@ import scale  # noqa: E402
 import schedule  # noqa: E402
 import soak  # noqa: E402
 
-SECTIONS = ("fire", "scale", "schedule", "lag", "lag2", "growth", "profile", "retention", "cancel", "mem", "pgbouncer", "rss", "kill",
+SECTIONS = ("fire", "scale", "schedule", "lag", "lag2", "growth", "profile", "retention", "cancel", "mem", "conns", "pgbouncer", "rss", "kill",
             "pgrestart", "pool", "failover", "patroni")
 EXTRA = ("soak",)  # only when named in --only: an hour by default
 
@@ -238,6 +239,10 @@ def main() -> int:
     ap.add_argument("--mem-size-mb", type=int, default=360, help="mem: size of the hostile bodies (MB)")
     ap.add_argument("--mem-delete-rate", type=float, default=200, help="mem: the other tenant's DELETEs per second")
     ap.add_argument("--mem-settle-s", type=float, default=30, help="mem: RSS read this long after the flood")
+    ap.add_argument("--conns-sockets", type=int, default=3000, help="conns: silent sockets held open")
+    ap.add_argument("--conns-slow", type=int, default=1100, help="conns: never-ending bodies of one tenant")
+    ap.add_argument("--conns-seconds", type=float, default=15, help="conns: seconds a phase")
+    ap.add_argument("--conns-delete-rate", type=float, default=200, help="conns: the other tenant's DELETEs per second")
     ap.add_argument("--pgb-rate", type=int, default=1000, help="pgbouncer: timers/s becoming due")
     ap.add_argument("--pgb-seconds", type=float, default=20, help="pgbouncer: seconds of load per round")
     ap.add_argument("--pgb-rounds", type=int, default=2, help="pgbouncer: rounds per set-up, alternating")
@@ -253,6 +258,7 @@ def main() -> int:
         args.lag_seconds, args.growth_sizes, args.growth_batch, args.growth_lag_seconds = 5, "10000", 2000, 3
         args.kills, args.pg_restart_seconds, args.pool_clients = 5, 9, 16
         args.mem_clients, args.mem_size_mb, args.mem_settle_s = 2, 40, 5
+        args.conns_sockets, args.conns_slow, args.conns_seconds = 1500, 600, 4
         args.pgb_seconds, args.pgb_rounds = 5, 1
         args.patroni_seconds = 20
         args.failover_seconds = 10
@@ -317,6 +323,8 @@ def main() -> int:
             broker = None
         section("mem", mem.bench_mem, url, res, args.mem_clients, args.mem_size_mb, args.mem_delete_rate,
                 args.mem_settle_s)
+        section("conns", conns.bench_conns, url, res, args.conns_sockets, args.conns_slow, args.conns_seconds,
+                args.conns_delete_rate)
         section("pgbouncer", pgbouncer.bench_pgbouncer, cluster, url, res, args.pgb_rate, args.pgb_seconds,
                 args.pgb_rounds)
         section("rss", scale.bench_rss, cluster, url, res, args.rss_n, args.rss_zstd_n, args.rss_zstd_bytes,

@@ -1,0 +1,241 @@
+"""Section `conns`: one client holds the broker's connections, one tenant its requests in
+progress, while another tenant cancels timers (the edges of issue 17: what one client can
+make the broker hold besides memory).
+
+Phases, each --conns-seconds long, on one broker at its defaults (QUEEN_AUTH=jwt):
+  idle   --conns-sockets sockets (3,000) opened and held silent, with no credential, against
+         QUEEN_MAX_CONNECTIONS (1,000); each one the broker closes is opened again at once.
+  slow   tenant `flood` starts --conns-slow POST /api/v1/timers (1,100) whose bodies never end
+         (a head, a Content-Length, 5 bytes): past its share of requests in progress
+         (QUEEN_TENANT_MAX_REQUESTS, 500) they are answered 503 timers_unavailable.
+Meanwhile tenant `quiet` sends DELETEs at --conns-delete-rate/s on one keep-alive connection,
+opening another and sending again when the broker closed it while idle (as HTTP clients do;
+the time counts in the DELETE's latency).
+
+Printed per phase: quiet's DELETE p50/p99 and its non-200 answers and reconnects, the
+broker's open files and reclaimed connections, the flood's answers.
+Target: every DELETE of quiet answered 200, p99 <= 50 ms, in each phase.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing
+import os
+import selectors
+import socket
+import threading
+import time
+
+from harness import log, metric_sum, pct, start_broker
+from mem import SECRET, bearer
+
+TARGET_DELETE_P99_S = 0.050
+
+
+# ---------------------------------------------------------------------------
+# the quiet tenant's DELETEs, in a process of their own, reconnecting
+# ---------------------------------------------------------------------------
+
+def _deletes_main(port: int, rate: float, stop, phase, queue) -> None:
+    out: dict = {}
+    asyncio.run(_deletes(port, rate, stop, phase, out))
+    queue.put(out)
+
+
+async def _deletes(port: int, rate: float, stop, phase, out: dict) -> None:
+    token = bearer("quiet")
+    conn: list = [None, None]
+
+    async def request(data: bytes) -> int:
+        for attempt in (1, 2):
+            if conn[0] is None:
+                conn[0], conn[1] = await asyncio.open_connection("127.0.0.1", port)
+            try:
+                conn[1].write(data)
+                head = await conn[0].readuntil(b"\r\n\r\n")
+                length = 0
+                for line in head.split(b"\r\n")[1:]:
+                    name, _, value = line.partition(b":")
+                    if name.strip().lower() == b"content-length":
+                        length = int(value)
+                await conn[0].readexactly(length)
+                return int(head[9:12])
+            except (asyncio.IncompleteReadError, ConnectionError):
+                conn[1].close()
+                conn[0] = conn[1] = None
+                stats["reconnects"] += 1
+                if attempt == 2:
+                    raise
+        raise AssertionError("unreachable")
+
+    i = 0
+    next_at = time.monotonic()
+    stats: dict = {}
+    while not stop.is_set():
+        name = phase.value.decode()
+        stats = out.setdefault(name, {"lat": [], "errors": {}, "reconnects": 0})
+        i += 1
+        t = time.perf_counter()
+        try:
+            status = await request(f"DELETE /api/v1/timers/quiet/k{i} HTTP/1.1\r\nHost: x\r\n"
+                                   f"Authorization: {token}\r\n\r\n".encode())
+        except (OSError, asyncio.IncompleteReadError) as exc:
+            status = type(exc).__name__
+        stats["lat"].append(time.perf_counter() - t)
+        if status != 200:
+            stats["errors"][status] = stats["errors"].get(status, 0) + 1
+        next_at += 1 / rate
+        await asyncio.sleep(max(0.0, next_at - time.monotonic()))
+    if conn[1] is not None:
+        conn[1].close()
+
+
+# ---------------------------------------------------------------------------
+# the flood: silent sockets kept open, slow bodies
+# ---------------------------------------------------------------------------
+
+class SilentSockets:
+    """n sockets held open with nothing sent; each one the server closes is opened again."""
+
+    def __init__(self, port: int, n: int):
+        self.port, self.n = port, n
+        self.sel = selectors.DefaultSelector()
+        self.reopened = 0
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _open(self) -> None:
+        sock = socket.socket()
+        sock.setblocking(False)
+        try:
+            sock.connect(("127.0.0.1", self.port))
+        except BlockingIOError:
+            pass
+        self.sel.register(sock, selectors.EVENT_READ)
+
+    def _run(self) -> None:
+        for _ in range(self.n):
+            self._open()
+        while not self.stop.is_set():
+            for key, _ in self.sel.select(timeout=0.1):
+                sock = key.fileobj
+                try:
+                    data = sock.recv(65536)
+                except (BlockingIOError, InterruptedError):
+                    continue
+                except OSError:
+                    data = b""
+                if not data:  # closed by the broker: the attacker opens another
+                    self.sel.unregister(sock)
+                    sock.close()
+                    self.reopened += 1
+                    self._open()
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        self.thread.join(10)
+        for key in list(self.sel.get_map().values()):
+            key.fileobj.close()
+        self.sel.close()
+
+
+def slow_posts(port: int, n: int) -> list[socket.socket]:
+    body_len = 1000
+    head = (f"POST /api/v1/timers HTTP/1.1\r\nHost: x\r\nAuthorization: {bearer('flood')}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {body_len}\r\n\r\n").encode()
+    out = []
+    for _ in range(n):
+        sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+        sock.sendall(head + b'{"ope')
+        out.append(sock)
+    return out
+
+
+def answers(socks: list[socket.socket]) -> dict:
+    """The status lines the slow requests got so far (none: still in progress)."""
+    tally: dict = {}
+    for sock in socks:
+        sock.setblocking(False)
+        try:
+            data = sock.recv(65536)
+        except (BlockingIOError, InterruptedError):
+            data = None
+        except OSError as exc:
+            data = type(exc).__name__.encode()
+        key = "in progress" if data is None else (data[9:12].decode() + (
+            " timers_unavailable" if b"timers_unavailable" in data else "") if data.startswith(b"HTTP/") else
+            (data.decode() or "closed"))
+        tally[key] = tally.get(key, 0) + 1
+    return tally
+
+
+# ---------------------------------------------------------------------------
+# the section
+# ---------------------------------------------------------------------------
+
+def bench_conns(url: str, res, sockets: int, slow: int, seconds: float, delete_rate: float) -> None:
+    log(f"\n== conns: {sockets} silent sockets, then {slow} never-ending bodies of one tenant, while another "
+        f"cancels at {delete_rate:.0f}/s ({seconds:g} s a phase) ==")
+    b = start_broker(url, "conns", QUEEN_AUTH="jwt", QUEEN_JWT_SECRET=SECRET)
+    figures: dict = {"sockets": sockets, "slow": slow, "seconds": seconds}
+    ctx = multiprocessing.get_context("spawn")
+    stop, phase, queue = ctx.Event(), ctx.Array("c", 16), ctx.Queue()
+    phase.value = b"before"
+    proc = ctx.Process(target=_deletes_main, args=(b.port, delete_rate, stop, phase, queue), daemon=True)
+    try:
+        limits = open(f"/proc/{b.proc.pid}/limits").read()
+        log("  broker " + next(line for line in limits.splitlines() if line.startswith("Max open files")))
+        proc.start()
+        time.sleep(2)
+        notes: dict = {}
+        phase.value = b"idle"
+        with SilentSockets(b.port, sockets) as flood:
+            time.sleep(seconds)
+            notes["idle"] = {"broker_files": len(os.listdir(f"/proc/{b.proc.pid}/fd")),
+                             "reopened": flood.reopened}
+        phase.value = b"between"
+        time.sleep(2)
+        phase.value = b"slow"
+        held = slow_posts(b.port, slow)
+        try:
+            time.sleep(seconds)
+            notes["slow"] = {"broker_files": len(os.listdir(f"/proc/{b.proc.pid}/fd")), "answers": answers(held)}
+        finally:
+            for sock in held:
+                sock.close()
+        phase.value = b"after"
+        time.sleep(2)
+        stop.set()
+        out = queue.get(timeout=60)
+        proc.join(30)
+        reclaimed = metric_sum(b.metrics(), "queen_timers_http_connections_reclaimed_total")
+        met = True
+        for name in ("idle", "slow"):
+            d = out.get(name, {"lat": [], "errors": {}, "reconnects": 0})
+            lat = d["lat"]
+            p50, p99 = pct(lat, 50), pct(lat, 99)
+            ok = bool(lat) and not d["errors"] and p99 <= TARGET_DELETE_P99_S
+            met &= ok
+            log(f"  {name:4s}: quiet's DELETEs {len(lat)}, p50 {p50 * 1000:.2f} ms, p99 {p99 * 1000:.2f} ms, "
+                f"max {max(lat) * 1000:.1f} ms; non-200 {d['errors'] or 'none'}; reconnects {d['reconnects']}; "
+                f"broker open files {notes[name]['broker_files']}"
+                + (f"; silent sockets closed by the broker and opened again {notes[name]['reopened']}"
+                   if name == "idle" else f"; the slow bodies' answers {notes[name]['answers']}")
+                + ("" if ok else "  <-- MISSED"))
+            figures[name] = {"deletes": len(lat), "p50_ms": round(p50 * 1000, 2), "p99_ms": round(p99 * 1000, 2),
+                             "errors": d["errors"], "reconnects": d["reconnects"], **notes[name]}
+        log(f"  connections reclaimed by the broker: {reclaimed if reclaimed is None else round(reclaimed)}")
+        log(f"  target: every DELETE of the other tenant a 200, p99 <= {TARGET_DELETE_P99_S * 1000:.0f} ms in "
+            f"each phase: {'met' if met else 'MISSED'}")
+        figures.update(reclaimed=reclaimed, target_met=met)
+    finally:
+        stop.set()
+        if proc.is_alive():
+            proc.terminate()
+        b.stop()
+    res.put("conns", **figures)
