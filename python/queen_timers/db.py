@@ -28,6 +28,7 @@ the sweeper takes it on QUEEN_DIRECT_DATABASE_URL, or polls.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import dataclasses
 import itertools
@@ -474,25 +475,76 @@ class BrokerPool(AsyncConnectionPool):
         self.settings = settings
         self.pooled = pooled(settings) and bool(settings.statement_timeout_ms)
         self._discard: set[int] = set()
+        # connections one tenant may hold or queue for at once (see _take_share): half the
+        # pool under JWT; with auth off every request is tenant `default`'s
+        self.tenant_share = max(1, self.max_size // 2) if settings.auth == "jwt" else self.max_size
+        self._by_tenant: dict[str, int] = {}
+        self._tenant_waiters: dict[str, collections.deque] = {}
 
     @contextlib.asynccontextmanager
-    async def connection(self, timeout: float | None = None):
+    async def connection(self, timeout: float | None = None, tenant: str | None = None):
         """A connection for one request's work: in a transaction with the statement
         timeout behind a transaction pooler (see bounded); closed instead of kept when
         the work asked for it (discard). The connections are autocommit: there is no
-        transaction of psycopg's to end (its connection() would commit one anyway)."""
-        conn = await self.getconn(timeout)
+        transaction of psycopg's to end (its connection() would commit one anyway).
+        `tenant`: the request's, which holds or queues for at most tenant_share of them."""
+        deadline = monotonic() + (self.timeout if timeout is None else timeout)
+        if tenant is not None:
+            await self._take_share(tenant, deadline)
         try:
-            if self.pooled:
-                async with bounded(conn, self.settings):
+            conn = await self.getconn(max(deadline - monotonic(), 0.0))
+            try:
+                if self.pooled:
+                    async with bounded(conn, self.settings):
+                        yield conn
+                else:
                     yield conn
-            else:
-                yield conn
+            finally:
+                if id(conn) in self._discard:
+                    self._discard.discard(id(conn))
+                    await conn.close()  # the pool drops a closed connection and opens another
+                await self.putconn(conn)
         finally:
-            if id(conn) in self._discard:
-                self._discard.discard(id(conn))
-                await conn.close()  # the pool drops a closed connection and opens another
-            await self.putconn(conn)
+            if tenant is not None:
+                self._give_share(tenant)
+
+    async def _take_share(self, tenant: str, deadline: float) -> None:
+        """Wait (first come, first served among the tenant's own requests) until the tenant
+        holds fewer than tenant_share connections, within the request's pool deadline.
+        psycopg_pool's queue is one line for everyone: a tenant with slow statements (a
+        long stats page, a row lock) and many requests would put all of them ahead of
+        another tenant's, which would wait out QUEEN_POOL_TIMEOUT_MS and get 503s."""
+        while self._by_tenant.get(tenant, 0) >= self.tenant_share:
+            waiter = asyncio.get_running_loop().create_future()
+            self._tenant_waiters.setdefault(tenant, collections.deque()).append(waiter)
+            try:
+                await asyncio.wait_for(waiter, max(deadline - monotonic(), 0.0))
+            except asyncio.TimeoutError:
+                raise PoolTimeout(f"the tenant holds {self.tenant_share} of the pool's connections "
+                                  f"(half of QUEEN_POOL_MAX) and none came free in time") from None
+            except BaseException:
+                if waiter.done() and not waiter.cancelled():
+                    self._wake_one(tenant)  # woken, and going: the turn passes on
+                raise
+        self._by_tenant[tenant] = self._by_tenant.get(tenant, 0) + 1
+
+    def _give_share(self, tenant: str) -> None:
+        left = self._by_tenant[tenant] - 1
+        if left:
+            self._by_tenant[tenant] = left
+        else:
+            del self._by_tenant[tenant]
+        self._wake_one(tenant)
+
+    def _wake_one(self, tenant: str) -> None:
+        waiters = self._tenant_waiters.get(tenant)
+        while waiters:
+            waiter = waiters.popleft()
+            if not waiter.done():  # one that timed out is done (cancelled)
+                waiter.set_result(None)
+                break
+        if waiters is not None and not waiters:
+            del self._tenant_waiters[tenant]
 
     async def _get_ready_connection(self, timeout: float | None) -> AsyncConnection | None:
         """psycopg_pool's, last in first out: the connection used last (its server

@@ -27,7 +27,7 @@ from starlette.routing import Route
 
 from . import convertors, db, payloads  # noqa: F401 (convertors: registers {x:anypath})
 from .auth import READ_ONLY, READ_WRITE
-from .bodies import PAYLOAD_CEILING_BYTES, POP_MESSAGE_WEIGHT, POP_WEIGHT, read_json
+from .bodies import PAYLOAD_CEILING_BYTES, POP_MESSAGE_WEIGHT, POP_WEIGHT, TENANT_KEY, read_json
 from .errors import ApiError, bad_request, check_json_unicode, check_text, from_exception
 from .limits import check_name
 
@@ -59,7 +59,7 @@ async def _conn(request: Request):
     """A pooled connection; database errors with a meaning (QT* SQLSTATEs,
     capacity) become ApiError here, so the response is an ordinary one."""
     try:
-        async with request.app.state.pool.connection() as conn:
+        async with request.app.state.pool.connection(tenant=request.scope.get(TENANT_KEY)) as conn:
             yield conn
     except ApiError:
         raise

@@ -24,7 +24,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from .auth import ADMIN, READ_ONLY
-from .bodies import read_json
+from .bodies import TENANT_KEY, read_json
 from .errors import bad_request, from_exception
 from .limits import check_name
 from .metrics import CONTENT_TYPE
@@ -58,7 +58,7 @@ async def _paused_flag(request: Request) -> bool:
 
 
 async def _status(request: Request) -> dict:
-    async with request.app.state.pool.connection() as conn:
+    async with request.app.state.pool.connection(tenant=request.scope.get(TENANT_KEY)) as conn:
         cur = await conn.execute(STATUS_SQL)
         return _status_body(await cur.fetchone())
 
@@ -71,7 +71,7 @@ async def timers_status(request: Request) -> JSONResponse:
 async def _switch(request: Request, function: str) -> JSONResponse:
     request.app.state.auth.require(request, ADMIN)
     paused = await _paused_flag(request)
-    async with request.app.state.pool.connection() as conn:
+    async with request.app.state.pool.connection(tenant=request.scope.get(TENANT_KEY)) as conn:
         await conn.execute(f"SELECT queen.{function}(%s)", (paused,))
         cur = await conn.execute(STATUS_SQL)
         return JSONResponse(_status_body(await cur.fetchone()))
@@ -113,7 +113,7 @@ async def timers_stats(request: Request) -> JSONResponse:
     after = request.query_params.get("after") or None
     if after is not None:
         check_name("queue", after, "after: ")  # a queue name: its limits
-    async with request.app.state.pool.connection() as conn:
+    async with request.app.state.pool.connection(tenant=request.scope.get(TENANT_KEY)) as conn:
         cur = await conn.execute("SELECT now() AS as_of")
         as_of = (await cur.fetchone())["as_of"]
         cur = await conn.execute(TOTALS_SQL, (principal.tenant, buckets, bucket_seconds, as_of))
@@ -146,7 +146,7 @@ def stats_page_size(buckets: int) -> int:
 async def prometheus(request: Request) -> Response:
     metrics = request.app.state.sweeper.metrics
     try:
-        async with request.app.state.pool.connection() as conn:
+        async with request.app.state.pool.connection(tenant=request.scope.get(TENANT_KEY)) as conn:
             cur = await conn.execute(STATUS_SQL)
             metrics.set_status(await cur.fetchone())
     except Exception as exc:

@@ -34,7 +34,7 @@ from starlette.routing import Route
 
 from . import convertors, db, payloads  # noqa: F401 (convertors: registers {x:anypath})
 from .auth import READ_ONLY, READ_WRITE, WRITE_ONLY
-from .bodies import SMALL_BODY_BYTES, read_json, values_bound
+from .bodies import SMALL_BODY_BYTES, TENANT_KEY, read_json, values_bound
 from .errors import ApiError, bad_request, from_exception
 from .limits import MAX_PARTITION_BYTES, MAX_QUEUE_BYTES, MAX_TIMER_KEY_BYTES, MAX_TXN_BYTES, check_name
 from .openapi import openapi_endpoint
@@ -302,7 +302,7 @@ async def _run(request: Request, fn, *, hint: bool = False, read: bool = False):
     state = request.app.state
     pool = state.read_pool if read and state.read_pool is not None else state.pool
     try:
-        async with pool.connection() as conn:
+        async with pool.connection(tenant=request.scope.get(TENANT_KEY)) as conn:
             return await fn(conn)
     except Exception as exc:  # mapped here or re-raised to app.py's handler
         mapped = from_exception(exc)

@@ -20,8 +20,10 @@ import re
 import resource
 import socket
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
+import psycopg
 
 from test_body_budget import open_post
 from test_input_limits import assert_json_error, read_response
@@ -237,3 +239,39 @@ def test_a_soft_open_files_limit_below_the_connection_limit_is_raised(spawn_brok
     finally:
         for sock in held:
             sock.close()
+
+
+# ---------------------------------------------------------------------------
+# the request pool: one tenant's slow statements cannot hold it from another
+# ---------------------------------------------------------------------------
+
+def lock_waiters(db) -> int:
+    return db.execute("SELECT count(*) AS n FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
+                      "AND query LIKE '%%cancel_timer%%'").fetchone()["n"]
+
+
+def test_one_tenant_whose_statements_wait_holds_at_most_half_the_pool(spawn_broker, db, database_url):
+    # psycopg_pool's queue is one line: acme's two DELETEs, each waiting on a row lock, held both
+    # connections, and globex's request waited out QUEEN_POOL_TIMEOUT_MS behind them (503)
+    b = spawn_broker(QUEEN_AUTH="jwt", QUEEN_JWT_SECRET=JWT_SECRET, QUEEN_POOL_MAX="2",
+                     QUEEN_POOL_TIMEOUT_MS="5000")  # a tenant's share: 1 connection
+    acme, globex = token("read-write", tenant="acme"), token("read-write", tenant="globex")
+    with b.client() as c:
+        r = c.post("/api/v1/timers", headers=acme, json={"operations": [op("schedule", "a1"), op("schedule", "a2")]})
+        assert r.status_code == 200, r.text
+        with psycopg.connect(database_url) as lock:
+            lock.execute("SELECT 1 FROM queen.timers WHERE timer_key IN ('a1', 'a2') FOR UPDATE")
+            with ThreadPoolExecutor(2) as pool:
+                waiting = [pool.submit(c.delete, f"{PATH}/{k}", headers=acme) for k in ("a1", "a2")]
+                deadline = time.monotonic() + 20
+                while lock_waiters(db) < 1:
+                    assert time.monotonic() < deadline, "the DELETE never reached PostgreSQL"
+                    time.sleep(0.02)
+                time.sleep(0.3)
+                assert lock_waiters(db) == 1  # acme's second DELETE waits for its share, not in the pool
+                started = time.monotonic()
+                r = c.get(PATH, headers=globex)
+                assert r.status_code == 200 and r.json()["rows"] == [], r.text
+                assert time.monotonic() - started < 2.5  # not behind acme's DELETEs
+                lock.rollback()
+                assert [f.result().json()["status"] for f in waiting] == ["cancelled", "cancelled"]
