@@ -94,5 +94,5 @@ class Authenticator:
         request.scope[TENANT_KEY] = principal.tenant  # the body budget's share is per tenant
         if not principal.allows(level):
             raise ApiError(403, "forbidden", f"this route needs {level}; the credential is {principal.role}")
-        self.slots.take(request.scope, principal.tenant)  # 429 past the tenant's share of requests
+        self.slots.take(request.scope, principal.tenant)  # 503 past the tenant's share of requests
         return principal

@@ -519,12 +519,12 @@ class BrokerPool(AsyncConnectionPool):
             self._tenant_waiters.setdefault(tenant, collections.deque()).append(waiter)
             try:
                 await asyncio.wait_for(waiter, max(deadline - monotonic(), 0.0))
-            except asyncio.TimeoutError:
-                raise PoolTimeout(f"the tenant holds {self.tenant_share} of the pool's connections "
-                                  f"(half of QUEEN_POOL_MAX) and none came free in time") from None
-            except BaseException:
+            except BaseException as exc:
                 if waiter.done() and not waiter.cancelled():
-                    self._wake_one(tenant)  # woken, and going: the turn passes on
+                    self._wake_one(tenant)  # woken, and going anyway: the turn passes on
+                if isinstance(exc, asyncio.TimeoutError):
+                    raise PoolTimeout(f"the tenant holds {self.tenant_share} of the pool's connections, its "
+                                      f"share, and none came free in time") from None
                 raise
         self._by_tenant[tenant] = self._by_tenant.get(tenant, 0) + 1
 

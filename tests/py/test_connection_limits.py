@@ -275,3 +275,26 @@ def test_one_tenant_whose_statements_wait_holds_at_most_half_the_pool(spawn_brok
                 assert time.monotonic() - started < 2.5  # not behind acme's DELETEs
                 lock.rollback()
                 assert [f.result().json()["status"] for f in waiting] == ["cancelled", "cancelled"]
+
+
+def test_a_request_that_waits_out_its_tenants_share_of_the_pool_is_a_json_503(spawn_broker, db, database_url):
+    b = spawn_broker(QUEEN_AUTH="jwt", QUEEN_JWT_SECRET=JWT_SECRET, QUEEN_POOL_MAX="2",
+                     QUEEN_POOL_TIMEOUT_MS="500")
+    acme, globex = token("read-write", tenant="acme"), token("read-write", tenant="globex")
+    with b.client() as c:
+        assert c.post("/api/v1/timers", headers=acme, json={"operations": [op("schedule", "a1")]}).status_code == 200
+        with psycopg.connect(database_url) as lock:
+            lock.execute("SELECT 1 FROM queen.timers WHERE timer_key = 'a1' FOR UPDATE")
+            with ThreadPoolExecutor(1) as pool:
+                waiting = pool.submit(c.delete, f"{PATH}/a1", headers=acme)
+                deadline = time.monotonic() + 20
+                while lock_waiters(db) < 1:
+                    assert time.monotonic() < deadline, "the DELETE never reached PostgreSQL"
+                    time.sleep(0.02)
+                r = c.get(PATH, headers=acme)  # acme's share (1) is held: it waits 500 ms, then 503
+                assert_json_error(r, 503, "timers_unavailable")  # as when the pool itself has none
+                assert r.headers["retry-after"] == "1"
+                assert c.get(PATH, headers=globex).status_code == 200
+                lock.rollback()
+                assert waiting.result().json()["status"] == "cancelled"
+        assert c.get(PATH, headers=acme).status_code == 200  # its share is back
