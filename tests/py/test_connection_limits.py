@@ -23,9 +23,9 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
-import psycopg
 
 from test_body_budget import open_post
+from test_direct_lane import held, lock_waiters
 from test_input_limits import assert_json_error, read_response
 from timers_util import JWT_SECRET, op, token
 
@@ -245,11 +245,6 @@ def test_a_soft_open_files_limit_below_the_connection_limit_is_raised(spawn_brok
 # the request pool: one tenant's slow statements cannot hold it from another
 # ---------------------------------------------------------------------------
 
-def lock_waiters(db) -> int:
-    return db.execute("SELECT count(*) AS n FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
-                      "AND query LIKE '%%cancel_timer%%'").fetchone()["n"]
-
-
 def test_one_tenant_whose_statements_wait_holds_at_most_half_the_pool(spawn_broker, db, database_url):
     # psycopg_pool's queue is one line: acme's two DELETEs, each waiting on a row lock, held both
     # connections, and globex's request waited out QUEEN_POOL_TIMEOUT_MS behind them (503)
@@ -259,22 +254,17 @@ def test_one_tenant_whose_statements_wait_holds_at_most_half_the_pool(spawn_brok
     with b.client() as c:
         r = c.post("/api/v1/timers", headers=acme, json={"operations": [op("schedule", "a1"), op("schedule", "a2")]})
         assert r.status_code == 200, r.text
-        with psycopg.connect(database_url) as lock:
-            lock.execute("SELECT 1 FROM queen.timers WHERE timer_key IN ('a1', 'a2') FOR UPDATE")
-            with ThreadPoolExecutor(2) as pool:
+        with ThreadPoolExecutor(2) as pool:
+            with held(database_url, db, "a1", "a2") as wait_for_delete:
                 waiting = [pool.submit(c.delete, f"{PATH}/{k}", headers=acme) for k in ("a1", "a2")]
-                deadline = time.monotonic() + 20
-                while lock_waiters(db) < 1:
-                    assert time.monotonic() < deadline, "the DELETE never reached PostgreSQL"
-                    time.sleep(0.02)
+                wait_for_delete()
                 time.sleep(0.3)
                 assert lock_waiters(db) == 1  # acme's second DELETE waits for its share, not in the pool
                 started = time.monotonic()
                 r = c.get(PATH, headers=globex)
                 assert r.status_code == 200 and r.json()["rows"] == [], r.text
                 assert time.monotonic() - started < 2.5  # not behind acme's DELETEs
-                lock.rollback()
-                assert [f.result().json()["status"] for f in waiting] == ["cancelled", "cancelled"]
+            assert [f.result().json()["status"] for f in waiting] == ["cancelled", "cancelled"]
 
 
 def test_a_request_that_waits_out_its_tenants_share_of_the_pool_is_a_json_503(spawn_broker, db, database_url):
@@ -283,18 +273,13 @@ def test_a_request_that_waits_out_its_tenants_share_of_the_pool_is_a_json_503(sp
     acme, globex = token("read-write", tenant="acme"), token("read-write", tenant="globex")
     with b.client() as c:
         assert c.post("/api/v1/timers", headers=acme, json={"operations": [op("schedule", "a1")]}).status_code == 200
-        with psycopg.connect(database_url) as lock:
-            lock.execute("SELECT 1 FROM queen.timers WHERE timer_key = 'a1' FOR UPDATE")
-            with ThreadPoolExecutor(1) as pool:
+        with ThreadPoolExecutor(1) as pool:
+            with held(database_url, db, "a1") as wait_for_delete:
                 waiting = pool.submit(c.delete, f"{PATH}/a1", headers=acme)
-                deadline = time.monotonic() + 20
-                while lock_waiters(db) < 1:
-                    assert time.monotonic() < deadline, "the DELETE never reached PostgreSQL"
-                    time.sleep(0.02)
+                wait_for_delete()
                 r = c.get(PATH, headers=acme)  # acme's share (1) is held: it waits 500 ms, then 503
                 assert_json_error(r, 503, "timers_unavailable")  # as when the pool itself has none
                 assert r.headers["retry-after"] == "1"
                 assert c.get(PATH, headers=globex).status_code == 200
-                lock.rollback()
-                assert waiting.result().json()["status"] == "cancelled"
+            assert waiting.result().json()["status"] == "cancelled"
         assert c.get(PATH, headers=acme).status_code == 200  # its share is back

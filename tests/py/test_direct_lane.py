@@ -157,17 +157,22 @@ def test_keep_alive_and_pipelined_requests_are_answered_in_order_on_one_connecti
     assert direct_count(broker) - before in (4, 5)
 
 
+def lock_waiters(db) -> int:
+    """DELETEs (cancel_timer) waiting in PostgreSQL on a row lock."""
+    return db.execute("SELECT count(*) AS n FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
+                      "AND query LIKE '%%cancel_timer%%'").fetchone()["n"]
+
+
 @contextlib.contextmanager
-def held(database_url: str, db, key: str):
-    """The timer's row locked by another transaction: a DELETE of it waits in PostgreSQL
+def held(database_url: str, db, *keys: str):
+    """The timers' rows locked by another transaction: a DELETE of one waits in PostgreSQL
     until the block ends. Yields a function that waits until such a DELETE is waiting."""
     with psycopg.connect(database_url) as lock:
-        lock.execute("SELECT 1 FROM queen.timers WHERE timer_key = %s FOR UPDATE", (key,))
+        lock.execute("SELECT 1 FROM queen.timers WHERE timer_key = ANY(%s) FOR UPDATE", (list(keys),))
 
         def wait_for_delete() -> None:
             deadline = time.monotonic() + 20
-            while not db.execute("SELECT count(*) AS n FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
-                                 "AND query LIKE '%%cancel_timer%%'").fetchone()["n"]:
+            while not lock_waiters(db):
                 assert time.monotonic() < deadline, "the DELETE never reached PostgreSQL"
                 time.sleep(0.02)
 
