@@ -97,6 +97,15 @@ TENANT_KEY = "queen.tenant"     # scope key: set by Authenticator.require
 SLOT_KEY = "queen.request_slot"  # scope key: the tenant whose request slot this request holds
 
 
+def count_down(counts: dict[str, int], key: str, n: int) -> None:
+    """Take n off a per-tenant count, dropping the tenant when it reaches 0."""
+    left = counts[key] - n
+    if left:
+        counts[key] = left
+    else:
+        del counts[key]
+
+
 class BodyBudget:
     """Weights of the bodies in flight, per broker and per tenant, with a bounded wait."""
 
@@ -148,11 +157,7 @@ class BodyBudget:
         tenant, had = held[-1]
         n = min(n, had)
         self.used -= had - n
-        left = self.by_tenant[tenant] - (had - n)
-        if left:
-            self.by_tenant[tenant] = left
-        else:
-            del self.by_tenant[tenant]
+        count_down(self.by_tenant, tenant, had - n)
         if n:
             held[-1] = (tenant, n)
         else:
@@ -167,11 +172,7 @@ class BodyBudget:
         freed = 0
         for tenant, n in held:
             self.used -= n
-            left = self.by_tenant[tenant] - n
-            if left:
-                self.by_tenant[tenant] = left
-            else:
-                del self.by_tenant[tenant]
+            count_down(self.by_tenant, tenant, n)
             freed += n
         self._wake()
         return freed
@@ -210,11 +211,7 @@ class RequestSlots:
     def release(self, scope: dict) -> None:
         tenant = scope.pop(SLOT_KEY, None)
         if tenant is not None:
-            left = self.by_tenant[tenant] - 1
-            if left:
-                self.by_tenant[tenant] = left
-            else:
-                del self.by_tenant[tenant]
+            count_down(self.by_tenant, tenant, 1)
 
 
 def busy(detail: str) -> ApiError:

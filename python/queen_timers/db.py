@@ -48,6 +48,7 @@ from psycopg.pq import ConnStatus, ExecStatus, TransactionStatus
 from psycopg.rows import dict_row
 from psycopg_pool import AsyncConnectionPool, PoolTimeout
 
+from .bodies import count_down
 from .config import Settings
 from .errors import ReadOnlyServer
 
@@ -529,11 +530,7 @@ class BrokerPool(AsyncConnectionPool):
         self._by_tenant[tenant] = self._by_tenant.get(tenant, 0) + 1
 
     def _give_share(self, tenant: str) -> None:
-        left = self._by_tenant[tenant] - 1
-        if left:
-            self._by_tenant[tenant] = left
-        else:
-            del self._by_tenant[tenant]
+        count_down(self._by_tenant, tenant, 1)
         self._wake_one(tenant)
 
     def _wake_one(self, tenant: str) -> None:
