@@ -59,7 +59,8 @@ def fit_open_files(settings):
     down before _admit could reclaim any. The soft limit (1,024 under systemd's default)
     is raised as far as the hard one allows; if that is still short, QUEEN_MAX_CONNECTIONS
     is lowered to fit, with a warning, so that the bound the broker enforces is one it can."""
-    need = settings.max_connections + OTHER_FILES + 2 * settings.pool_max
+    reserve = OTHER_FILES + 2 * settings.pool_max  # the request and read pools at their largest
+    need = settings.max_connections + reserve
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft != resource.RLIM_INFINITY and soft < need:
         target = need if hard == resource.RLIM_INFINITY else min(hard, need)
@@ -70,7 +71,7 @@ def fit_open_files(settings):
             pass
     if soft == resource.RLIM_INFINITY or soft >= need:
         return settings
-    fits = max(1, soft - OTHER_FILES - 2 * settings.pool_max)
+    fits = max(1, soft - reserve)
     tenant = min(settings.tenant_max_requests, max(1, fits // 2) if settings.auth == "jwt" else fits)
     logging.getLogger("queen_timers").warning(
         "QUEEN_MAX_CONNECTIONS=%s needs %s open files and this process may open %s (RLIMIT_NOFILE, "
