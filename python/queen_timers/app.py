@@ -222,6 +222,7 @@ def create_app(settings: Settings | None = None) -> Starlette:
     budget = app.state.body_budget = BodyBudget(settings.body_budget_bytes, settings.body_wait_ms,
                                                 on_refuse=sweeper.metrics.body_budget_refusals.inc)
     sweeper.metrics.body_budget_in_use.set_function(lambda: budget.used)
+    sweeper.metrics.body_budget_waiting.set_function(lambda: budget.waiting)
     app.state.pool = pool
     app.state.read_pool = read_pool
     app.state.auth = Authenticator(settings)

@@ -28,6 +28,7 @@ import ctypes
 import ctypes.util
 import math
 import re
+from collections import deque
 from itertools import accumulate
 from typing import Callable
 
@@ -106,8 +107,24 @@ def count_down(counts: dict[str, int], key: str, n: int) -> None:
         del counts[key]
 
 
+class _Waiter:
+    __slots__ = ("scope", "tenant", "n", "future", "admitted")
+
+    def __init__(self, scope: dict, tenant: str, n: int, future: asyncio.Future):
+        self.scope, self.tenant, self.n, self.future = scope, tenant, n, future
+        self.admitted = False
+
+
 class BodyBudget:
-    """Weights of the bodies in flight, per broker and per tenant, with a bounded wait."""
+    """Weights of the bodies in flight, per broker and per tenant, with a bounded wait.
+
+    Waiters are served in arrival order, and each reserves what it waits for: a
+    later request may use only the room the ones ahead of it leave (the broker's
+    and its own tenant's), so a stream of small bodies never keeps a large one
+    out. A request that waits for its own tenant's half reserves nothing of the
+    broker's room: it holds up its own tenant's later requests, never another's.
+    A later step of a chunked body that already holds weight goes first (it must
+    finish to give its weight back)."""
 
     def __init__(self, total: int, wait_ms: int, on_refuse: Callable[[], None] | None = None):
         self.total = total
@@ -116,11 +133,12 @@ class BodyBudget:
         self.wait_s = wait_ms / 1000
         self.used = 0
         self.by_tenant: dict[str, int] = {}
-        self._waiters: list[asyncio.Future] = []
+        self._queue: deque[_Waiter] = deque()
 
-    def _fits(self, tenant: str, n: int) -> bool:
-        return (self.used + n <= self.total
-                and self.by_tenant.get(tenant, 0) + n <= self.per_tenant)
+    def _hold(self, scope: dict, tenant: str, n: int) -> None:
+        self.used += n
+        self.by_tenant[tenant] = self.by_tenant.get(tenant, 0) + n
+        scope.setdefault(HELD_KEY, []).append((tenant, n))
 
     async def take(self, scope: dict, tenant: str, n: int, deadline: float | None = None) -> float:
         """Hold `n` for `tenant` until the request ends; returns the wait's deadline
@@ -130,25 +148,69 @@ class BodyBudget:
             deadline = loop.time() + self.wait_s
         if n > self.per_tenant:  # cannot happen for a legal request (config checks it)
             raise busy(f"the body weighs {n} bytes, over a tenant's share of the budget")
-        while not self._fits(tenant, n):
-            left = deadline - loop.time()
-            if left <= 0:
-                if self.on_refuse is not None:
-                    self.on_refuse()
-                raise busy("the broker's budget for request bodies in flight is in use")
-            waiter = loop.create_future()
-            self._waiters.append(waiter)
+        if n <= 0 or (not self._queue and self.used + n <= self.total
+                      and self.by_tenant.get(tenant, 0) + n <= self.per_tenant):
+            self._hold(scope, tenant, n)  # nobody waits and it fits: the common case
+            return deadline
+        waiter = _Waiter(scope, tenant, n, loop.create_future())
+        if scope.get(HELD_KEY):
+            self._queue.appendleft(waiter)
+        else:
+            self._queue.append(waiter)
+        self._admit()
+        if not waiter.admitted:
+            timer = loop.call_at(deadline, self._expire, waiter)
             try:
-                await asyncio.wait_for(waiter, left)
-            except asyncio.TimeoutError:
-                pass
+                await waiter.future
+            except asyncio.CancelledError:  # the client went away: its place is given up
+                self._leave(waiter)
+                raise
             finally:
-                if waiter in self._waiters:
-                    self._waiters.remove(waiter)
-        self.used += n
-        self.by_tenant[tenant] = self.by_tenant.get(tenant, 0) + n
-        scope.setdefault(HELD_KEY, []).append((tenant, n))
+                timer.cancel()
+        if not waiter.admitted:
+            if self.on_refuse is not None:
+                self.on_refuse()
+            raise busy("the broker's budget for request bodies in flight is in use")
         return deadline
+
+    def _expire(self, waiter: _Waiter) -> None:
+        if not waiter.future.done():
+            self._leave(waiter)
+            waiter.future.set_result(None)
+
+    def _leave(self, waiter: _Waiter) -> None:
+        """A waiter that gives up: what it reserved is free for the ones behind it."""
+        if not waiter.admitted and waiter in self._queue:
+            self._queue.remove(waiter)
+            self._admit()
+
+    def _admit(self) -> None:
+        """Admit the waiters that fit, in order: each one, admitted or not, takes its
+        weight off the room left for those behind it (the broker's room unless it is
+        its own tenant's half that holds it up; its tenant's room always)."""
+        room = self.total - self.used
+        tenant_room: dict[str, int] = {}
+        kept: deque[_Waiter] = deque()
+        for w in self._queue:
+            if w.future.done():  # cancelled (its client gone): it leaves in a moment, reserving nothing
+                kept.append(w)
+                continue
+            mine = tenant_room.get(w.tenant)
+            if mine is None:
+                mine = self.per_tenant - self.by_tenant.get(w.tenant, 0)
+            tenant_room[w.tenant] = mine - w.n
+            if w.n > mine:
+                kept.append(w)
+                continue
+            if w.n > room:
+                room -= w.n
+                kept.append(w)
+                continue
+            room -= w.n
+            self._hold(w.scope, w.tenant, w.n)
+            w.admitted = True
+            w.future.set_result(None)
+        self._queue = kept
 
     def resize_last(self, scope: dict, n: int) -> None:
         """Shrink (or drop, n=0) what this request took last: a pop holds its estimate
@@ -162,10 +224,10 @@ class BodyBudget:
             held[-1] = (tenant, n)
         else:
             held.pop()
-        self._wake()
+        self._admit()
 
     def release(self, scope: dict) -> int:
-        """Give back everything the request holds; wake the waiters to try again."""
+        """Give back everything the request holds; admit the waiters that now fit."""
         held = scope.pop(HELD_KEY, None)
         if not held:
             return 0
@@ -174,14 +236,12 @@ class BodyBudget:
             self.used -= n
             count_down(self.by_tenant, tenant, n)
             freed += n
-        self._wake()
+        self._admit()
         return freed
 
-    def _wake(self) -> None:
-        waiters, self._waiters = self._waiters, []
-        for waiter in waiters:
-            if not waiter.done():
-                waiter.set_result(None)
+    @property
+    def waiting(self) -> int:
+        return len(self._queue)
 
 
 class RequestSlots:

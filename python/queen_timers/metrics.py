@@ -122,6 +122,10 @@ class Metrics:
             "queen_timers_body_budget_in_use_bytes",
             "Weight of the request bodies in flight on this broker (at most QUEEN_BODY_BUDGET_BYTES)",
             registry=r)
+        self.body_budget_waiting = Gauge(
+            "queen_timers_body_budget_waiting",
+            "Requests waiting, in arrival order, for room in the body budget (QUEEN_BODY_WAIT_MS at most)",
+            registry=r)
         self.body_budget_refusals = Counter(
             "queen_timers_body_budget_refusals",
             "Requests answered 503 because the body budget had no room within QUEEN_BODY_WAIT_MS",

@@ -229,6 +229,69 @@ def test_one_tenant_holding_its_share_never_starves_another(spawn_broker, db):
     wait_budget_free(b)
 
 
+def test_a_stream_of_small_bodies_never_keeps_a_large_legal_one_out(spawn_broker, db):
+    """acme holds its half of the budget; umbrella keeps small batches in flight at
+    every moment, each body sent in two parts 40 ms apart (a slow client). globex's
+    largest legal body needs the other half whole: the waiters are served in arrival
+    order, so umbrella's later batches queue behind it instead of taking the room as
+    it frees (before, globex waited out QUEEN_BODY_WAIT_MS and got 503 while umbrella
+    was served throughout)."""
+    import threading
+
+    from timers_util import JWT_SECRET
+    b = spawn_broker(QUEEN_TIMERS_MAX_OPS=str(MAX_OPS), QUEEN_POP_MAX_BYTES="1000000",
+                     QUEEN_AUTH="jwt", QUEEN_JWT_SECRET=JWT_SECRET)
+    acme = "".join(f"{k}: {v}\r\n" for k, v in token("read-write", tenant="acme").items())
+    umbrella_head = "".join(f"{k}: {v}\r\n" for k, v in token("write-only", tenant="umbrella").items())
+    stop = threading.Event()
+    answers: list[int] = []
+
+    def umbrella(n: int) -> None:
+        time.sleep(n * 0.01)  # staggered: one of them holds weight at every moment
+        i = 0
+        while not stop.is_set():
+            body = json.dumps({"operations": [op("schedule", f"u{n}-{i}")]}).encode()
+            with open_post(b.port, "/api/v1/timers", len(body), body[:10], umbrella_head) as sock:
+                time.sleep(0.04)
+                sock.sendall(body[10:])
+                answers.append(read_response(sock)[0])
+            i += 1
+
+    from queen_timers.config import Settings
+    cap = Settings.from_env({"QUEEN_DATABASE_URL": "postgresql://x", **b.env}).log_max_body_bytes
+    item = {"queue": "bulk", "payload": {"blob": "z" * 2000}}
+    items = [item] * ((cap - 100) // (len(json.dumps(item).encode()) + 2) - 1)
+    body = json.dumps({"items": items}).encode()
+    body += b" " * (cap - len(body))  # the cap exactly: it weighs the other half whole
+
+    holder = hold_share(b, acme)
+    streams = [threading.Thread(target=umbrella, args=(n,)) for n in range(4)]
+    try:
+        for t in streams:
+            t.start()
+        deadline = time.monotonic() + 10
+        while len(answers) < 40:
+            assert time.monotonic() < deadline, answers
+            time.sleep(0.01)
+        with b.client(timeout=60) as c:
+            r = c.post("/api/v1/push", content=body, headers=token("read-write", tenant="globex"))
+        assert r.status_code == 201, r.text
+        served = len(answers)
+        deadline = time.monotonic() + 10
+        while len(answers) < served + 40:  # umbrella goes on once globex's body is done
+            assert time.monotonic() < deadline, answers[-10:]
+            time.sleep(0.01)
+    finally:
+        stop.set()
+        for t in streams:
+            t.join(30)
+        holder.close()
+    assert set(answers) == {200}, {s: answers.count(s) for s in set(answers)}
+    n = db.execute("SELECT count(*) AS n FROM queen.messages").fetchone()["n"]  # globex's: umbrella's are due in an hour
+    assert n == len(items)
+    wait_budget_free(b)
+
+
 def test_a_push_at_the_log_routes_cap_succeeds(spawn_broker, db):
     b = spawn_broker(QUEEN_LOG_MAX_BODY_BYTES=str(2 * MiB))
     item = {"queue": "bulk", "payload": {"blob": "z" * 2000}}
