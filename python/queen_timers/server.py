@@ -245,7 +245,11 @@ class JsonErrorHttpToolsProtocol(HttpToolsProtocol):
             victim.transport.close()
 
     def _busy(self) -> bool:
-        return self.max_requests is not None and len(self.tasks) >= self.max_requests
+        if self.max_requests is None or len(self.tasks) < self.max_requests:
+            return False
+        # a task that has just answered leaves the set a loop turn later (its done callback):
+        # a keep-alive client's next request must not be refused for its own last one
+        return sum(1 for task in self.tasks if not task.done()) >= self.max_requests
 
     def on_response_complete(self) -> None:
         super().on_response_complete()

@@ -181,6 +181,22 @@ def test_one_tenant_holds_at_most_its_share_of_the_requests_in_progress(spawn_br
     assert db.execute("SELECT count(*) AS n FROM queen.timers").fetchone()["n"] == 1  # k1; g1 cancelled
 
 
+def test_a_keep_alive_client_at_the_limit_is_never_refused_for_its_own_last_request(spawn_broker, db):
+    # one request held, one slot left: a client's requests one after another on one connection
+    # all fit it (before, its last request's task still counted for a loop turn: some were 503)
+    b = spawn_broker(QUEEN_MAX_CONNECTIONS="2")
+    body = json.dumps({"operations": [op("schedule", "k1")]}).encode()
+    holder = open_post(b.port, "/api/v1/timers", len(body), body[:5])
+    try:
+        time.sleep(0.3)
+        with b.client() as c:
+            codes = [c.get(PATH).status_code for _ in range(150)]
+            codes += [c.delete(f"{PATH}/k{i}").status_code for i in range(150)]  # the direct lane
+        assert set(codes) == {200}, {code: codes.count(code) for code in set(codes)}
+    finally:
+        holder.close()
+
+
 # ---------------------------------------------------------------------------
 # the open-files limit: the connection limit is one the process can keep
 # ---------------------------------------------------------------------------
