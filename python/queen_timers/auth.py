@@ -58,7 +58,7 @@ class Authenticator:
             self.key = settings.jwt_secret
             self.algorithms = ["HS256"]
         self.leeway = settings.jwt_leeway_seconds
-        self.slots = RequestSlots(settings.tenant_max_requests)
+        self.slots = RequestSlots(settings.tenant_max_requests, settings.max_connections)
 
     def principal(self, request: Request) -> Principal:
         if not self.enabled:

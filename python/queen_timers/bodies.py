@@ -248,30 +248,46 @@ class RequestSlots:
     """Requests in progress on this broker, per tenant: one tenant holds at most
     `per_tenant` of them (QUEEN_TENANT_MAX_REQUESTS), so requests it keeps open
     (slow bodies, long polls) cannot take every slot of QUEEN_MAX_CONNECTIONS
-    from the others. A slot is taken when the request is authenticated
-    (Authenticator.require) and given back with its body weight (release_body)."""
+    from the others. Two busy tenants at their shares would still fill them, so
+    once fewer than a quarter of the `total` slots are free, a tenant that shares
+    the broker takes another only while it holds fewer than are free: each further
+    busy tenant leaves half of what it found, and a tenant holding none always
+    finds one unless about log2(total) tenants are busy at once. A slot is taken
+    when the request is authenticated (Authenticator.require) and given back with
+    its body weight (release_body)."""
 
-    def __init__(self, per_tenant: int):
+    def __init__(self, per_tenant: int, total: int | None = None):
         self.per_tenant = per_tenant
+        self.total = total
+        self.in_use = 0
         self.by_tenant: dict[str, int] = {}
 
     def take(self, scope: dict, tenant: str) -> None:
         if SLOT_KEY in scope:  # a route that authenticates twice holds one slot
             return
         n = self.by_tenant.get(tenant, 0)
+        # capacity, as the body budget's tenant half: 503 (a 429 is a rung of the gate ladder,
+        # which a DELETE never meets; docs/limits.md)
         if n >= self.per_tenant:
-            # capacity, as the body budget's tenant half: 503 (a 429 is a rung of the gate ladder,
-            # which a DELETE never meets; docs/limits.md)
             raise ApiError(503, "timers_unavailable",
                            f"this tenant has {n} requests in progress on this broker, its share "
                            f"(QUEEN_TENANT_MAX_REQUESTS); retry when one ends", {"Retry-After": "1"})
+        if self.total is not None and self.in_use > n:  # another tenant holds slots too
+            free = self.total - self.in_use
+            if free < self.total // 4 and n >= free:
+                raise ApiError(503, "timers_unavailable",
+                               f"this tenant has {n} requests in progress on this broker and {free} of "
+                               f"QUEEN_MAX_CONNECTIONS's slots are free, which other tenants may need; "
+                               f"retry when one ends", {"Retry-After": "1"})
         self.by_tenant[tenant] = n + 1
+        self.in_use += 1
         scope[SLOT_KEY] = tenant
 
     def release(self, scope: dict) -> None:
         tenant = scope.pop(SLOT_KEY, None)
         if tenant is not None:
             count_down(self.by_tenant, tenant, 1)
+            self.in_use -= 1
 
 
 def busy(detail: str) -> ApiError:

@@ -1,4 +1,5 @@
-"""bodies.BodyBudget's waiters: served in arrival order, each reserving what it waits for.
+"""bodies.BodyBudget's waiters: served in arrival order, each reserving what it waits for;
+and bodies.RequestSlots: what busy tenants leave the others.
 
 A stream of small bodies must never keep a large legal one out, and a
 request that waits for its own tenant's half must never hold up another
@@ -12,7 +13,7 @@ import asyncio
 
 import pytest
 
-from queen_timers.bodies import HELD_KEY, BodyBudget
+from queen_timers.bodies import HELD_KEY, BodyBudget, RequestSlots
 from queen_timers.errors import ApiError
 
 TOTAL = 100  # so a tenant's half is 50
@@ -224,3 +225,40 @@ def test_many_tenants_many_requests_end_with_nothing_held():
         assert outcomes["ok"] == 400, outcomes  # all of them in time: the line always moves
         assert budget.used == 0 and budget.by_tenant == {} and budget.waiting == 0
     run(main())
+
+
+# ---------------------------------------------------------------------------
+# bodies.RequestSlots: what busy tenants leave the others
+# ---------------------------------------------------------------------------
+
+def fill(slots, tenant: str) -> int:
+    """Take slots for `tenant` until one is refused; how many it got."""
+    got = 0
+    while True:
+        try:
+            slots.take({}, tenant)
+        except ApiError as refused:
+            assert refused.status == 503 and refused.headers == {"Retry-After": "1"}
+            return got
+        got += 1
+
+
+def test_busy_tenants_leave_each_next_tenant_half_of_what_they_found():
+    slots = RequestSlots(per_tenant=500, total=1000)
+    shares = [fill(slots, f"t{i}") for i in range(12)]
+    # the first at its share, the second to a quarter free, then halving what is left
+    assert shares[:5] == [500, 251, 125, 62, 31], shares
+    assert sum(shares) <= 1000 and all(shares[:9]), shares  # nine busy tenants: each still got one
+    assert slots.in_use == sum(shares) == sum(slots.by_tenant.values())
+
+
+def test_one_tenant_alone_is_held_only_by_its_own_share():
+    assert fill(RequestSlots(per_tenant=1000, total=1000), "default") == 1000  # auth off: every slot
+    slots = RequestSlots(per_tenant=500, total=1000)
+    assert fill(slots, "acme") == 500
+    scopes = [{} for _ in range(3)]
+    for scope in scopes:
+        slots.take(scope, "globex")
+    for scope in scopes:
+        slots.release(scope)
+    assert slots.by_tenant == {"acme": 500} and slots.in_use == 500

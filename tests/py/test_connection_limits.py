@@ -10,6 +10,9 @@ credential, can lock the others out of a broker by holding connections or reques
   JWT): its next one is 503 timers_unavailable with Retry-After (capacity, as the
   body budget's tenant half: a DELETE meets no rung of the gate ladder), while another tenant
   is served; a share is given back however the request ends.
+- Two tenants at their shares would fill the broker: past three quarters in use, a
+  tenant that shares the broker takes a slot only while it holds fewer than are free,
+  so a third tenant still finds one.
 """
 
 from __future__ import annotations
@@ -195,6 +198,51 @@ def test_a_keep_alive_client_at_the_limit_is_never_refused_for_its_own_last_requ
         assert set(codes) == {200}, {code: codes.count(code) for code in set(codes)}
     finally:
         holder.close()
+
+
+def test_two_busy_tenants_cannot_take_the_last_slots_from_a_third(spawn_broker, db):
+    # 8 slots, a share of 4: acme takes its 4; before, globex took the other 4 and initech's
+    # every request was 503 until one of theirs ended
+    b = spawn_broker(QUEEN_MAX_CONNECTIONS="8", QUEEN_AUTH="jwt", QUEEN_JWT_SECRET=JWT_SECRET)
+    body = json.dumps({"operations": [op("schedule", "k1")]}).encode()
+
+    def hold(tenant: str, n: int) -> list[socket.socket]:
+        line = f"Authorization: {token('read-write', tenant=tenant)['Authorization']}\r\n"
+        socks = [open_post(b.port, "/api/v1/timers", len(body), body[:5], line) for _ in range(n)]
+        time.sleep(0.3)
+        return socks
+
+    acme = hold("acme", 4)
+    globex = hold("globex", 3)  # 7 in use, 1 free: below a quarter
+    try:
+        with socket.create_connection(("127.0.0.1", b.port), timeout=10) as sock:
+            # globex holds 3 and 1 is free: its next request is refused, and says why
+            headers = token("read-write", tenant="globex")
+            sock.sendall(f"GET {PATH} HTTP/1.1\r\nHost: x\r\nAuthorization: {headers['Authorization']}\r\n\r\n"
+                         .encode())
+            status, head, text = read_response(sock)
+            assert status == 503 and head["retry-after"] == "1", (status, text)
+            assert json.loads(text)["error"] == "timers_unavailable" and "free" in json.loads(text)["detail"]
+        with b.client() as c:
+            initech = token("read-write", tenant="initech")
+            r = c.post("/api/v1/timers", headers=initech, json={"operations": [op("schedule", "i1")]})
+            assert r.status_code == 200, r.text
+            r = c.get(PATH, headers=initech)
+            assert r.status_code == 200 and r.json()["rows"][0]["timerKey"] == "i1", r.text
+            r = c.delete(f"{PATH}/i1", headers=initech)
+            assert r.status_code == 200 and r.json()["status"] == "cancelled", r.text
+        # once globex's requests end its slots come back to it
+        for sock in globex:
+            sock.close()
+        with b.client() as c:
+            deadline = time.monotonic() + 5
+            while (r := c.get(PATH, headers=token("read-write", tenant="globex"))).status_code == 503:
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+            assert r.status_code == 200
+    finally:
+        for sock in acme + globex:
+            sock.close()
 
 
 # ---------------------------------------------------------------------------
