@@ -19,7 +19,6 @@ Target: every DELETE of quiet answered 200, p99 <= 50 ms, in each phase.
 
 from __future__ import annotations
 
-import asyncio
 import multiprocessing
 import os
 import selectors
@@ -28,67 +27,9 @@ import threading
 import time
 
 from harness import log, metric_sum, pct, start_broker
-from mem import SECRET, bearer
+from mem import SECRET, _deletes_main, bearer
 
 TARGET_DELETE_P99_S = 0.050
-
-
-# ---------------------------------------------------------------------------
-# the quiet tenant's DELETEs, in a process of their own, reconnecting
-# ---------------------------------------------------------------------------
-
-def _deletes_main(port: int, rate: float, stop, phase, queue) -> None:
-    out: dict = {}
-    asyncio.run(_deletes(port, rate, stop, phase, out))
-    queue.put(out)
-
-
-async def _deletes(port: int, rate: float, stop, phase, out: dict) -> None:
-    token = bearer("quiet")
-    conn: list = [None, None]
-
-    async def request(data: bytes) -> int:
-        for attempt in (1, 2):
-            if conn[0] is None:
-                conn[0], conn[1] = await asyncio.open_connection("127.0.0.1", port)
-            try:
-                conn[1].write(data)
-                head = await conn[0].readuntil(b"\r\n\r\n")
-                length = 0
-                for line in head.split(b"\r\n")[1:]:
-                    name, _, value = line.partition(b":")
-                    if name.strip().lower() == b"content-length":
-                        length = int(value)
-                await conn[0].readexactly(length)
-                return int(head[9:12])
-            except (asyncio.IncompleteReadError, ConnectionError):
-                conn[1].close()
-                conn[0] = conn[1] = None
-                stats["reconnects"] += 1
-                if attempt == 2:
-                    raise
-        raise AssertionError("unreachable")
-
-    i = 0
-    next_at = time.monotonic()
-    stats: dict = {}
-    while not stop.is_set():
-        name = phase.value.decode()
-        stats = out.setdefault(name, {"lat": [], "errors": {}, "reconnects": 0})
-        i += 1
-        t = time.perf_counter()
-        try:
-            status = await request(f"DELETE /api/v1/timers/quiet/k{i} HTTP/1.1\r\nHost: x\r\n"
-                                   f"Authorization: {token}\r\n\r\n".encode())
-        except (OSError, asyncio.IncompleteReadError) as exc:
-            status = type(exc).__name__
-        stats["lat"].append(time.perf_counter() - t)
-        if status != 200:
-            stats["errors"][status] = stats["errors"].get(status, 0) + 1
-        next_at += 1 / rate
-        await asyncio.sleep(max(0.0, next_at - time.monotonic()))
-    if conn[1] is not None:
-        conn[1].close()
 
 
 # ---------------------------------------------------------------------------
@@ -186,7 +127,7 @@ def bench_conns(url: str, res, sockets: int, slow: int, seconds: float, delete_r
     ctx = multiprocessing.get_context("spawn")
     stop, phase, queue = ctx.Event(), ctx.Array("c", 16), ctx.Queue()
     phase.value = b"before"
-    proc = ctx.Process(target=_deletes_main, args=(b.port, delete_rate, stop, phase, queue), daemon=True)
+    proc = ctx.Process(target=_deletes_main, args=(b.port, delete_rate, stop, queue, phase), daemon=True)
     try:
         limits = open(f"/proc/{b.proc.pid}/limits").read()
         log("  broker " + next(line for line in limits.splitlines() if line.startswith("Max open files")))

@@ -206,41 +206,66 @@ class Deletes:
 
     def __exit__(self, *exc):
         self.stop.set()
-        self.lat, self.errors = self.queue.get(timeout=60)
+        out = self.queue.get(timeout=60).get("all", {"lat": [], "errors": {}})
+        self.lat, self.errors = out["lat"], out["errors"]
         self.proc.join(30)
 
 
-def _deletes_main(port: int, rate: float, stop, queue) -> None:
-    lat: list[float] = []
-    errors: dict = {}
-    asyncio.run(_deletes(port, rate, stop, lat, errors))
-    queue.put((lat, errors))
+def _deletes_main(port: int, rate: float, stop, queue, phase=None) -> None:
+    """The quiet tenant's DELETEs at `rate`, reconnecting when the broker closes the
+    connection; per phase (a shared name the parent sets, "all" without one): latencies,
+    non-200 answers, reconnects. Shared by the mem and conns sections."""
+    out: dict = {}
+    asyncio.run(_deletes(port, rate, stop, phase, out))
+    queue.put(out)
 
 
-async def _deletes(port: int, rate: float, stop, lat: list, errors: dict) -> None:
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+async def _deletes(port: int, rate: float, stop, phase, out: dict) -> None:
     token = bearer("quiet")
+    conn: list = [None, None]
+
+    async def request(data: bytes) -> int:
+        for attempt in (1, 2):
+            if conn[0] is None:
+                conn[0], conn[1] = await asyncio.open_connection("127.0.0.1", port)
+            try:
+                conn[1].write(data)
+                head = await conn[0].readuntil(b"\r\n\r\n")
+                length = 0
+                for line in head.split(b"\r\n")[1:]:
+                    name, _, value = line.partition(b":")
+                    if name.strip().lower() == b"content-length":
+                        length = int(value)
+                await conn[0].readexactly(length)
+                return int(head[9:12])
+            except (asyncio.IncompleteReadError, ConnectionError):
+                conn[1].close()
+                conn[0] = conn[1] = None
+                stats["reconnects"] += 1
+                if attempt == 2:
+                    raise
+        raise AssertionError("unreachable")
+
     i = 0
     next_at = time.monotonic()
+    stats: dict = {}
     while not stop.is_set():
+        name = phase.value.decode() if phase is not None else "all"
+        stats = out.setdefault(name, {"lat": [], "errors": {}, "reconnects": 0})
         i += 1
         t = time.perf_counter()
-        writer.write(f"DELETE /api/v1/timers/quiet/k{i} HTTP/1.1\r\nHost: x\r\n"
-                     f"Authorization: {token}\r\n\r\n".encode())
-        head = await reader.readuntil(b"\r\n\r\n")
-        length = 0
-        for line in head.split(b"\r\n")[1:]:
-            name, _, value = line.partition(b":")
-            if name.strip().lower() == b"content-length":
-                length = int(value)
-        await reader.readexactly(length)
-        lat.append(time.perf_counter() - t)
-        status = int(head[9:12])
+        try:
+            status = await request(f"DELETE /api/v1/timers/quiet/k{i} HTTP/1.1\r\nHost: x\r\n"
+                                   f"Authorization: {token}\r\n\r\n".encode())
+        except (OSError, asyncio.IncompleteReadError) as exc:
+            status = type(exc).__name__
+        stats["lat"].append(time.perf_counter() - t)
         if status != 200:
-            errors[status] = errors.get(status, 0) + 1
+            stats["errors"][status] = stats["errors"].get(status, 0) + 1
         next_at += 1 / rate
         await asyncio.sleep(max(0.0, next_at - time.monotonic()))
-    writer.close()
+    if conn[1] is not None:
+        conn[1].close()
 
 
 # ---------------------------------------------------------------------------
