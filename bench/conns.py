@@ -8,6 +8,9 @@ Phases, each --conns-seconds long, on one broker at its defaults (QUEEN_AUTH=jwt
   slow   tenant `flood` starts --conns-slow POST /api/v1/timers (1,100) whose bodies never end
          (a head, a Content-Length, 5 bytes): past its share of requests in progress
          (QUEEN_TENANT_MAX_REQUESTS, 500) they are answered 503 timers_unavailable.
+  two    tenants `flood` and then `flood2` start --conns-slow such POSTs each: flood2 stops
+         where it holds as many as are free (past three quarters in use), so the two never
+         hold every slot between them.
 Meanwhile tenant `quiet` sends DELETEs at --conns-delete-rate/s on one keep-alive connection,
 opening another and sending again when the broker closed it while idle (as HTTP clients do;
 the time counts in the DELETE's latency).
@@ -85,9 +88,9 @@ class SilentSockets:
         self.sel.close()
 
 
-def slow_posts(port: int, n: int) -> list[socket.socket]:
+def slow_posts(port: int, n: int, tenant: str = "flood") -> list[socket.socket]:
     body_len = 1000
-    head = (f"POST /api/v1/timers HTTP/1.1\r\nHost: x\r\nAuthorization: {bearer('flood')}\r\n"
+    head = (f"POST /api/v1/timers HTTP/1.1\r\nHost: x\r\nAuthorization: {bearer(tenant)}\r\n"
             f"Content-Type: application/json\r\nContent-Length: {body_len}\r\n\r\n").encode()
     out = []
     for _ in range(n):
@@ -120,8 +123,8 @@ def answers(socks: list[socket.socket]) -> dict:
 # ---------------------------------------------------------------------------
 
 def bench_conns(url: str, res, sockets: int, slow: int, seconds: float, delete_rate: float) -> None:
-    log(f"\n== conns: {sockets} silent sockets, then {slow} never-ending bodies of one tenant, while another "
-        f"cancels at {delete_rate:.0f}/s ({seconds:g} s a phase) ==")
+    log(f"\n== conns: {sockets} silent sockets, then {slow} never-ending bodies of one tenant, then {slow} of each "
+        f"of two tenants, while another cancels at {delete_rate:.0f}/s ({seconds:g} s a phase) ==")
     b = start_broker(url, "conns", QUEEN_AUTH="jwt", QUEEN_JWT_SECRET=SECRET)
     figures: dict = {"sockets": sockets, "slow": slow, "seconds": seconds}
     ctx = multiprocessing.get_context("spawn")
@@ -149,6 +152,18 @@ def bench_conns(url: str, res, sockets: int, slow: int, seconds: float, delete_r
         finally:
             for sock in held:
                 sock.close()
+        phase.value = b"between2"
+        time.sleep(2)
+        phase.value = b"two"
+        held = slow_posts(b.port, slow)
+        held2 = slow_posts(b.port, slow, "flood2")
+        try:
+            time.sleep(seconds)
+            notes["two"] = {"broker_files": len(os.listdir(f"/proc/{b.proc.pid}/fd")),
+                            "answers": answers(held), "answers2": answers(held2)}
+        finally:
+            for sock in held + held2:
+                sock.close()
         phase.value = b"after"
         time.sleep(2)
         stop.set()
@@ -156,7 +171,7 @@ def bench_conns(url: str, res, sockets: int, slow: int, seconds: float, delete_r
         proc.join(30)
         reclaimed = metric_sum(b.metrics(), "queen_timers_http_connections_reclaimed_total")
         met = True
-        for name in ("idle", "slow"):
+        for name in ("idle", "slow", "two"):
             d = out.get(name, {"lat": [], "errors": {}, "reconnects": 0})
             lat = d["lat"]
             p50, p99 = pct(lat, 50), pct(lat, 99)
@@ -166,7 +181,8 @@ def bench_conns(url: str, res, sockets: int, slow: int, seconds: float, delete_r
                 f"max {max(lat) * 1000:.1f} ms; non-200 {d['errors'] or 'none'}; reconnects {d['reconnects']}; "
                 f"broker open files {notes[name]['broker_files']}"
                 + (f"; silent sockets closed by the broker and opened again {notes[name]['reopened']}"
-                   if name == "idle" else f"; the slow bodies' answers {notes[name]['answers']}")
+                   if name == "idle" else f"; the slow bodies' answers {notes[name]['answers']}"
+                   + (f" and {notes[name]['answers2']}" if name == "two" else ""))
                 + ("" if ok else "  <-- MISSED"))
             figures[name] = {"deletes": len(lat), "p50_ms": round(p50 * 1000, 2), "p99_ms": round(p99 * 1000, 2),
                              "errors": d["errors"], "reconnects": d["reconnects"], **notes[name]}
