@@ -29,7 +29,7 @@ import ctypes.util
 import math
 import re
 from collections import deque
-from itertools import accumulate
+from itertools import accumulate, islice
 from typing import Callable
 
 import orjson
@@ -191,7 +191,10 @@ class BodyBudget:
         room = self.total - self.used
         tenant_room: dict[str, int] = {}
         kept: deque[_Waiter] = deque()
-        for w in self._queue:
+        for i, w in enumerate(self._queue):
+            if room <= 0:  # reserved to the last byte: nobody behind can be admitted
+                kept.extend(islice(self._queue, i, None))
+                break
             if w.future.done():  # cancelled (its client gone): it leaves in a moment, reserving nothing
                 kept.append(w)
                 continue
