@@ -7,12 +7,13 @@ What a client sends never decides how much memory the broker uses:
   refused before a byte is read; a body without one (chunked) is refused
   as soon as the bytes read pass it. 413 {"error": "body_too_large"}.
 - Budget: the bodies in flight of one broker weigh at most
-  QUEEN_BODY_BUDGET_BYTES, one tenant's at most half of it (so another
-  tenant always finds room for its largest legal request). A body is
-  weighed before it is read (its Content-Length times the route's
-  weight; a chunked body as it arrives). A request that does not fit
-  waits up to QUEEN_BODY_WAIT_MS for bodies ahead of it to finish, then
-  gets 503 timers_unavailable with Retry-After. The weight is held until
+  QUEEN_BODY_BUDGET_BYTES, one tenant's at most half of it (so with one
+  other tenant busy, a tenant finds room for its largest legal request at
+  once). A body is weighed before it is read (its Content-Length times the
+  route's weight; a chunked body as it arrives). A request that does not
+  fit waits, in arrival order (BodyBudget), up to QUEEN_BODY_WAIT_MS for
+  bodies ahead of it to finish, then gets 503 timers_unavailable with
+  Retry-After. The weight is held until
   the response is sent (BodyBudgetRelease), whatever happens to the request.
 - JSON: UTF-8 (RFC 8259), no NaN/Infinity, nesting at most MAX_JSON_DEPTH
   levels, at most QUEEN_JSON_MAX_VALUES values in all. A body over
