@@ -153,6 +153,7 @@ class BrokerApp(Starlette):
 
     hot: HotRoutes | None = None
     on_connection_reclaimed = staticmethod(lambda: None)  # server.py closed an idle connection to admit one
+    on_send_timed_out = staticmethod(lambda: None)  # server.py closed a connection whose client took no answer
 
     async def __call__(self, scope, receive, send) -> None:
         if (self.hot is not None and scope["type"] == "http" and not scope.get("root_path")
@@ -218,6 +219,7 @@ def create_app(settings: Settings | None = None) -> Starlette:
     app.hot = HotRoutes([(routes_timers.SCHEDULE_ROUTE, "POST"), (routes_timers.KEY_ROUTE, "DELETE")])
     app.hot.on_direct = sweeper.metrics.http_direct.inc
     app.on_connection_reclaimed = sweeper.metrics.http_reclaimed.inc
+    app.on_send_timed_out = sweeper.metrics.http_send_timeouts.inc
     app.state.settings = settings
     budget = app.state.body_budget = BodyBudget(settings.body_budget_bytes, settings.body_wait_ms,
                                                 on_refuse=sweeper.metrics.body_budget_refusals.inc)

@@ -97,6 +97,7 @@ def body_too_large(cap: int, seen: int | None = None, *, variable: str = "QUEEN_
 HELD_KEY = "queen.body_held"    # scope key: [(tenant, weight), ...] this request holds
 TENANT_KEY = "queen.tenant"     # scope key: set by Authenticator.require
 SLOT_KEY = "queen.request_slot"  # scope key: the tenant whose request slot this request holds
+PROTOCOL_KEY = "queen.protocol"  # scope key: the connection's protocol (server.py), which parks releases
 
 
 def count_down(counts: dict[str, int], key: str, n: int) -> None:
@@ -345,9 +346,15 @@ class BodyBudgetRelease:
             release_body(scope)
 
 
-def release_body(scope) -> None:
+def release_body(scope, park: bool = True) -> None:
     """Give back what the request of `scope` holds of the body budget (if anything),
-    and its tenant's request slot (RequestSlots)."""
+    and its tenant's request slot (RequestSlots): now, or, while its answer is still
+    in the connection's buffer (a client not reading), once it has left (server.py's
+    park) or the connection is closed."""
+    if SLOT_KEY not in scope and HELD_KEY not in scope:
+        return
+    if park and (protocol := scope.get(PROTOCOL_KEY)) is not None and protocol.park(scope):
+        return
     if SLOT_KEY in scope:
         scope["app"].state.request_slots.release(scope)
     if HELD_KEY in scope:

@@ -252,7 +252,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     gc.set_threshold(10_000, 10, 10)
     uvicorn.run(app, host=settings.host, port=settings.port,
                 log_level="warning", access_log=False, loop="uvloop",
-                http=JsonErrorHttpToolsProtocol.with_head_timeout(settings.head_timeout_ms / 1000),
+                http=JsonErrorHttpToolsProtocol.with_timeouts(settings.head_timeout_ms / 1000,
+                                                              settings.send_timeout_ms / 1000),
                 limit_concurrency=settings.max_connections,
                 # nothing reads the client's address: X-Forwarded-For is not rewritten into it
                 proxy_headers=False)

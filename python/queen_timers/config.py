@@ -103,6 +103,7 @@ class Settings:
     body_timeout_ms: int = 120000
     # connections (server.py): the request head's deadline, and connections or requests at once
     head_timeout_ms: int = 10000
+    send_timeout_ms: int = 60000
     # a pop's stored payload bytes (queen.pop_messages p_max_bytes; the first message always goes)
     pop_max_bytes: int = 16 * 1024 * 1024
     max_connections: int = 1000
@@ -157,6 +158,7 @@ class Settings:
             body_wait_ms=_int(env, "QUEEN_BODY_WAIT_MS", 5000, 0),
             body_timeout_ms=_int(env, "QUEEN_BODY_TIMEOUT_MS", 120000, 1),
             head_timeout_ms=_int(env, "QUEEN_HEAD_TIMEOUT_MS", 10000, 1),
+            send_timeout_ms=_int(env, "QUEEN_SEND_TIMEOUT_MS", 60000, 1),
             max_connections=(max_conn := _int(env, "QUEEN_MAX_CONNECTIONS", 1000, 1)),
             # one tenant's requests in progress: half the broker's under JWT (another tenant always
             # finds room); with auth off every request is tenant `default`'s

@@ -135,6 +135,10 @@ class Metrics:
             "DELETE requests on the timer key route served by the HTTP server's direct lane (server.py) "
             "rather than by uvicorn's request cycle",
             registry=r)
+        self.http_send_timeouts = Counter(
+            "queen_timers_http_send_timeouts",
+            "Connections closed because their client took none of an answer for QUEEN_SEND_TIMEOUT_MS",
+            registry=r)
         self.http_reclaimed = Counter(
             "queen_timers_http_connections_reclaimed",
             "Idle connections closed to admit a new one past QUEEN_MAX_CONNECTIONS (server.py)",

@@ -25,6 +25,10 @@ new one in (_admit), as nginx reuses its keep-alive connections. uvicorn's
 limit_concurrency counted idle connections as load: anyone holding that many
 open and silent, with no credential, had every other request answered 503.
 
+An answer a client does not read keeps its request's body weight and slot
+until it has left the broker's buffer, and a client that takes none of it for
+send_timeout_s (QUEEN_SEND_TIMEOUT_MS) has its connection reset (park, below).
+
 The same protocol serves a DELETE on the timer key route without uvicorn's
 request cycle (the direct lane, below; docs/design.md).
 """
@@ -33,9 +37,13 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import fcntl
 import json
 import logging
 import resource
+import socket
+import struct
+import termios
 import urllib.parse
 
 import h11
@@ -44,7 +52,7 @@ from uvicorn.protocols.http import h11_impl, httptools_impl
 from uvicorn.protocols.http.h11_impl import H11Protocol
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
-from .bodies import release_body
+from .bodies import PROTOCOL_KEY, release_body
 
 MAX_HEAD_BYTES = 16 * 1024  # h11's max_incomplete_event_size default, uvicorn's h11 limit
 # file descriptors a broker needs besides its HTTP connections: its database connections
@@ -195,15 +203,20 @@ async def _no_body() -> dict:
 
 
 class JsonErrorHttpToolsProtocol(HttpToolsProtocol):
-    head_timeout_s = 10.0  # with_head_timeout() makes a class with the broker's setting
+    head_timeout_s = 10.0  # with_timeouts() makes a class with the broker's settings
+    send_timeout_s = 60.0
     _head_bytes = 0
     _head_open = False  # a request has begun and its headers are not complete
     _raw_head = 0       # bytes received while a head stayed open
     _head_timer: asyncio.TimerHandle | None = None
+    _send_watch: asyncio.TimerHandle | None = None
+    _send_left = 0       # bytes of answers still in the transport's buffer at the last look
+    _send_progress = 0.0  # when the client last took some of them
+    _parked: list | None = None  # requests whose answer is still in the buffer (park)
 
     @classmethod
-    def with_head_timeout(cls, seconds: float) -> type["JsonErrorHttpToolsProtocol"]:
-        return type(cls.__name__, (cls,), {"head_timeout_s": seconds})
+    def with_timeouts(cls, head_seconds: float, send_seconds: float) -> type["JsonErrorHttpToolsProtocol"]:
+        return type(cls.__name__, (cls,), {"head_timeout_s": head_seconds, "send_timeout_s": send_seconds})
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -224,8 +237,83 @@ class JsonErrorHttpToolsProtocol(HttpToolsProtocol):
 
     def connection_lost(self, exc) -> None:
         self._stop_head_timer()
+        self._stop_send_watch()
         self._idle.pop(self, None)
         super().connection_lost(exc)
+        self._release_parked()
+
+    # -- answers the client does not take -----------------------------------
+    # uvicorn writes an answer into the transport's buffer and ends the request
+    # at once: a client that never reads left it there (a pop's 17 MB answer,
+    # twenty of them 400 MB of RSS while the body budget said 0 in use). A request
+    # whose answer is still above the buffer's high-water mark keeps its weight in
+    # the body budget and its request slot until the buffer drains (park, from
+    # bodies.release_body), and a client that takes none of it for
+    # send_timeout_s (QUEEN_SEND_TIMEOUT_MS) has its connection closed, which
+    # gives them back: nginx's send_timeout.
+
+    def park(self, scope: dict) -> bool:
+        """Hold the release of `scope`'s budget weight and slot until this connection's
+        answers have left the buffer (or the connection is gone); False: nothing to wait for."""
+        if not self.flow.write_paused or self.transport.is_closing():
+            return False
+        if self._parked is None:
+            self._parked = []
+        self._parked.append(scope)
+        return True
+
+    def _release_parked(self) -> None:
+        parked, self._parked = self._parked, None
+        for scope in parked or ():
+            release_body(scope, park=False)
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        if self._send_watch is None:
+            self._send_left = self._unsent()
+            self._send_progress = self.loop.time()
+            self._send_watch = self.loop.call_later(self._send_step(), self._watch_send)
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        self._stop_send_watch()
+        self._release_parked()
+
+    def _unsent(self) -> int:
+        """Bytes of answers the client has not acknowledged: the transport's buffer and
+        the kernel's send queue (TIOCOUTQ), which holds megabytes the client may read slowly."""
+        left = self.transport.get_write_buffer_size()
+        sock = self.transport.get_extra_info("socket")
+        if sock is not None:
+            try:
+                left += struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0\0\0\0"))[0]
+            except OSError:
+                pass
+        return left
+
+    def _send_step(self) -> float:
+        return min(1.0, self.send_timeout_s / 4)
+
+    def _stop_send_watch(self) -> None:
+        if self._send_watch is not None:
+            self._send_watch.cancel()
+            self._send_watch = None
+
+    def _watch_send(self) -> None:
+        self._send_watch = None
+        if not self.flow.write_paused or self.transport.is_closing():
+            return
+        left, now = self._unsent(), self.loop.time()
+        if left < self._send_left:  # the client took some: it is reading, however slowly
+            self._send_left, self._send_progress = left, now
+        elif now - self._send_progress >= self.send_timeout_s:
+            getattr(self.app, "on_send_timed_out", _nothing)()
+            sock = self.transport.get_extra_info("socket")
+            if sock is not None:  # a reset: the kernel drops what it still holds for the client too
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            self.transport.abort()  # connection_lost releases what its requests held
+            return
+        self._send_watch = self.loop.call_later(self._send_step(), self._watch_send)
 
     def _admit(self) -> None:
         """One connection too many: close the one idle longest, not this new one. A
@@ -283,6 +371,7 @@ class JsonErrorHttpToolsProtocol(HttpToolsProtocol):
         self._head_open = False
         self._stop_head_timer()
         self._idle.pop(self, None)  # serving a request: never reclaimed
+        self.scope[PROTOCOL_KEY] = self  # bodies.release_body parks the request's release here
         if self._direct():
             return
         if self._busy():  # uvicorn's path to its (JSON) 503
@@ -317,6 +406,8 @@ class JsonErrorHttpToolsProtocol(HttpToolsProtocol):
             return False
         if self.cycle is not None and not self.cycle.response_complete:
             return False  # pipelined behind a request still being served: uvicorn queues it
+        if self.flow.write_paused:
+            return False  # an answer before it is still unsent: uvicorn's path waits for the client
         if self._busy():
             return False  # uvicorn's path to the JSON 503
         for name, value in self.headers:

@@ -13,6 +13,10 @@ credential, can lock the others out of a broker by holding connections or reques
 - Two tenants at their shares would fill the broker: past three quarters in use, a
   tenant that shares the broker takes a slot only while it holds fewer than are free,
   so a third tenant still finds one.
+- An answer the client does not take keeps its request's body weight and slot until
+  it has left the broker's buffer; a client that takes none of it for
+  QUEEN_SEND_TIMEOUT_MS has its connection reset. A slow reader that keeps reading
+  gets the whole answer.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
+import pytest
 
 from test_body_budget import open_post
 from test_direct_lane import held, lock_waiters
@@ -243,6 +248,71 @@ def test_two_busy_tenants_cannot_take_the_last_slots_from_a_third(spawn_broker, 
     finally:
         for sock in acme + globex:
             sock.close()
+
+
+def budget_in_use(broker) -> float:
+    text = httpx.get(f"{broker.url}/metrics/prometheus", timeout=10).text
+    return float(re.search(r"^queen_timers_body_budget_in_use_bytes (\S+)$", text, re.M).group(1))
+
+
+def test_an_answer_the_client_does_not_take_is_weighed_until_it_leaves_and_reset_after_the_send_timeout(
+        spawn_broker, db):
+    # before: uvicorn ended the request as soon as the answer was in the buffer, so its weight
+    # came back at once; twenty pops of 17 MB nobody read held 400 MB of RSS with the budget at 0
+    b = spawn_broker(QUEEN_SEND_TIMEOUT_MS="1500")
+    item = {"queue": "big", "payload": {"blob": "z" * 2000}}
+    with b.client(timeout=60) as c:
+        for queue in ("big", "slow"):
+            r = c.post("/api/v1/push", json={"items": [{**item, "queue": queue}] * 3500})
+            assert r.status_code == 201, r.text
+
+    def pop_socket(queue: str, rcvbuf: int | None = None) -> socket.socket:
+        sock = socket.socket()
+        if rcvbuf is not None:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+        sock.connect(("127.0.0.1", b.port))
+        sock.sendall(f"GET /api/v1/pop/queue/{queue}?batch=3500 HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+        return sock
+
+    # a slow reader that keeps reading (256 KB every 50 ms, past the timeout in all) gets it all
+    slow = pop_socket("slow")
+    try:
+        data = b""
+        start = time.monotonic()
+        while b"\r\n\r\n" not in data or len(data.partition(b"\r\n\r\n")[2]) < int(
+                re.search(rb"content-length: (\d+)", data).group(1)):
+            chunk = slow.recv(256 * 1024)
+            assert chunk, "the connection closed midway"
+            data += chunk
+            time.sleep(0.05)
+        assert time.monotonic() - start > 1.5  # it took longer than the send timeout, reading throughout
+        head, _, body = data.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 200") and len(json.loads(body)["messages"]) == 3500
+    finally:
+        slow.close()
+
+    sock = pop_socket("big", rcvbuf=4096)  # the answer stays on the broker's side
+    try:
+        deadline = time.monotonic() + 10
+        while budget_in_use(b) == 0:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        time.sleep(1.0)  # the pop is long done: its answer waits in the buffer, weighed
+        assert budget_in_use(b) > 0
+        deadline = time.monotonic() + 10
+        while budget_in_use(b) != 0:
+            assert time.monotonic() < deadline, "the weight came back when the connection was reset"
+            time.sleep(0.05)
+        sock.settimeout(5)
+        with pytest.raises(ConnectionResetError):
+            while sock.recv(65536):
+                pass
+    finally:
+        sock.close()
+    text = httpx.get(f"{b.url}/metrics/prometheus", timeout=10).text
+    assert re.search(r"^queen_timers_http_send_timeouts_total 1\.0$", text, re.M), text
+    with b.client() as c:
+        assert c.get("/health").status_code == 200
 
 
 # ---------------------------------------------------------------------------
