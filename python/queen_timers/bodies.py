@@ -346,6 +346,26 @@ class BodyBudgetRelease:
             release_body(scope)
 
 
+def answer_weight(payload_bytes: int, messages: int) -> int:
+    """What an answer holding stored payloads weighs: a pop's weights (each payload is
+    held several times: libpq's result, the row, its base64 and JSON, the encoded answer)."""
+    return POP_WEIGHT * payload_bytes + POP_MESSAGE_WEIGHT * messages
+
+
+async def weigh_answer(request: Request, tenant: str, most_bytes: int, most_messages: int) -> None:
+    """Before a fetch of stored payloads (a message's detail, a DLQ page, a timer's peek):
+    hold what the answer may weigh at most, waiting as a body does (503 past
+    QUEEN_BODY_WAIT_MS); once fetched, weigh_fetched shrinks it to what it holds."""
+    budget = request.app.state.body_budget
+    # at most a tenant's half: the heaviest legal request fits it (config), and a stored
+    # payload is smaller than the body that brought it
+    await budget.take(request.scope, tenant, min(answer_weight(most_bytes, most_messages), budget.per_tenant))
+
+
+def weigh_fetched(request: Request, payload_bytes: int, messages: int) -> None:
+    request.app.state.body_budget.resize_last(request.scope, answer_weight(payload_bytes, messages))
+
+
 def release_body(scope, park: bool = True) -> None:
     """Give back what the request of `scope` holds of the body budget (if anything),
     and its tenant's request slot (RequestSlots): now, or, while its answer is still

@@ -27,7 +27,7 @@ from starlette.routing import Route
 
 from . import convertors, db, payloads  # noqa: F401 (convertors: registers {x:anypath})
 from .auth import READ_ONLY, READ_WRITE
-from .bodies import PAYLOAD_CEILING_BYTES, POP_MESSAGE_WEIGHT, POP_WEIGHT, TENANT_KEY, read_json
+from .bodies import PAYLOAD_CEILING_BYTES, TENANT_KEY, read_json, weigh_answer, weigh_fetched
 from .errors import ApiError, bad_request, check_json_unicode, check_text, from_exception
 from .limits import check_name
 
@@ -302,22 +302,18 @@ async def pop(request: Request) -> Response:
 
     deadline = time.monotonic() + timeout_ms / 1000
     sleep = 0.05
-    budget = request.app.state.body_budget
     # what the answer may hold, weighed before the fetch (nothing is leased yet if
     # the budget has no room): the bytes bound, or batch messages of the largest size
-    estimate = (POP_WEIGHT * min(settings.pop_max_bytes,
-                                 batch * max(settings.log_max_body_bytes, 2 * PAYLOAD_CEILING_BYTES))
-                + POP_MESSAGE_WEIGHT * batch)
+    most = min(settings.pop_max_bytes, batch * _largest_payload(settings))
     while True:
-        await budget.take(request.scope, principal.tenant, estimate)
+        await weigh_answer(request, principal.tenant, most, batch)
         async with _conn(request) as conn:
             cur = await conn.execute("SELECT * FROM queen.pop_messages(%s, %s, %s, %s, %s, %s, p_max_bytes => %s)",
                                      (principal.tenant, queue, partition, group, batch, auto_ack,
                                       settings.pop_max_bytes))
             rows = await cur.fetchall()
         # from here on the answer weighs what it holds (a long poll's sleep weighs nothing)
-        budget.resize_last(request.scope, POP_WEIGHT * sum(len(r["payload"]) for r in rows)
-                           + POP_MESSAGE_WEIGHT * len(rows))
+        weigh_fetched(request, sum(len(r["payload"]) for r in rows), len(rows))
         remaining = deadline - time.monotonic()
         if rows or not wait or remaining <= 0:
             break
@@ -432,11 +428,15 @@ async def get_message(request: Request) -> JSONResponse:
     except ValueError:
         return JSONResponse({"error": "Message not found"}, status_code=404)
     check_name("transactionId", request.path_params["transactionId"])
+    # the answer holds the payload three times (payload, data, payloadBase64): weighed
+    # as a pop's before the fetch, at the largest a stored payload can be, then as fetched
+    await weigh_answer(request, principal.tenant, _largest_payload(settings), 1)
     async with _conn(request) as conn:
         cur = await conn.execute("SELECT * FROM queen.get_message(%s, %s, %s)",
                                  (principal.tenant, partition_id,
                                   _no_nul("transactionId", request.path_params["transactionId"])))
         r = await cur.fetchone()
+    weigh_fetched(request, 0 if r is None else len(r["payload"]), 0 if r is None else 1)
     if r is None:
         return JSONResponse({"error": "Message not found"}, status_code=404)
     data = _read_payload(settings, bytes(r["payload"]), r["is_encrypted"])
@@ -458,6 +458,21 @@ async def get_message(request: Request) -> JSONResponse:
 # DLQ
 # ---------------------------------------------------------------------------
 
+# queen.list_dlq's page, the leading entries whose payloads add up to at most the bound
+# (the first one whatever its size): a running sum over the function's order
+DLQ_PAGE_SQL = """
+SELECT * FROM (SELECT d.*, sum(octet_length(d.payload)) OVER (ORDER BY d.ordinality) AS upto
+                 FROM queen.list_dlq(%s, %s, %s, %s, %s) WITH ORDINALITY AS d) AS x
+ WHERE x.ordinality = 1 OR x.upto <= %s
+ ORDER BY x.ordinality
+"""
+
+
+def _largest_payload(settings) -> int:
+    """The largest payload a stored message can hold: a push's body, or a fired timer's."""
+    return max(settings.log_max_body_bytes, 2 * PAYLOAD_CEILING_BYTES)
+
+
 async def list_dlq(request: Request) -> JSONResponse:
     principal = request.app.state.auth.require(request, READ_ONLY)
     queue = _no_nul("queue", request.query_params.get("queue")) or None
@@ -466,11 +481,17 @@ async def list_dlq(request: Request) -> JSONResponse:
         check_name("queue", queue)
     limit = _int_param(request, "limit", 100, 1, 1000)
     offset = _int_param(request, "offset", 0, 0, 2**31 - 1)
-    # `partition`, `from` and `to` are ignored, as Queen's dlq route does
+    settings = request.app.state.settings
+    # `partition`, `from` and `to` are ignored, as Queen's dlq route does. A page holds at
+    # most QUEEN_POP_MAX_BYTES of payloads (its first entry always), weighed as a pop's
+    # answer: 1,000 dead letters of 8 MB each were one 8 GB answer
+    await weigh_answer(request, principal.tenant, min(settings.pop_max_bytes, limit * _largest_payload(settings)),
+                       limit)
     async with _conn(request) as conn:
-        cur = await conn.execute("SELECT * FROM queen.list_dlq(%s, %s, %s, %s, %s)",
-                                 (principal.tenant, queue, group, limit, offset))
+        cur = await conn.execute(DLQ_PAGE_SQL, (principal.tenant, queue, group, limit, offset,
+                                                settings.pop_max_bytes))
         rows = await cur.fetchall()
+        weigh_fetched(request, sum(len(r["payload"]) for r in rows), len(rows))
         cur = await conn.execute("SELECT queen.count_dlq(%s, %s, %s) AS total", (principal.tenant, queue, group))
         total = (await cur.fetchone())["total"]
     messages = []
@@ -486,6 +507,8 @@ async def list_dlq(request: Request) -> JSONResponse:
             "producerSub": r["producer_sub"], "createdAt": iso_us(r["created_at"]),
             "failedAt": iso_us(r["failed_at"]),
         })
+    if len(rows) < limit and offset + len(rows) < total:
+        limit = len(rows)  # cut short by the bytes bound: offset + limit is the next page
     return JSONResponse({"messages": messages, "pagination": {"limit": limit, "offset": offset},
                          "total": total})
 

@@ -34,7 +34,8 @@ from starlette.routing import Route
 
 from . import convertors, db, payloads  # noqa: F401 (convertors: registers {x:anypath})
 from .auth import READ_ONLY, READ_WRITE, WRITE_ONLY
-from .bodies import SMALL_BODY_BYTES, TENANT_KEY, read_json, values_bound
+from .bodies import (PAYLOAD_CEILING_BYTES, SMALL_BODY_BYTES, TENANT_KEY, read_json, values_bound, weigh_answer,
+                     weigh_fetched)
 from .errors import ApiError, bad_request, from_exception
 from .limits import MAX_PARTITION_BYTES, MAX_QUEUE_BYTES, MAX_TIMER_KEY_BYTES, MAX_TXN_BYTES, check_name
 from .openapi import openapi_endpoint
@@ -773,7 +774,10 @@ async def peek(request: Request) -> JSONResponse:
                                  (principal.tenant, queue, key))
         return await cur.fetchone()
 
+    # its payload (up to the 1 MiB ceiling) weighed as a pop's answer, before the fetch
+    await weigh_answer(request, principal.tenant, 2 * PAYLOAD_CEILING_BYTES, 1)
     r = await _run(request, work, read=True)
+    weigh_fetched(request, 0 if r is None else len(r["payload"]), 0 if r is None else 1)
     if r is None:
         return JSONResponse({"found": False})
     return JSONResponse(peek_json(r))

@@ -292,6 +292,65 @@ def test_a_stream_of_small_bodies_never_keeps_a_large_legal_one_out(spawn_broker
     wait_budget_free(b)
 
 
+def test_answers_that_hold_stored_payloads_are_weighed_before_they_are_fetched(small, db):
+    """A message's detail, a DLQ page and a timer's peek hold payloads several times over:
+    they wait for room in the budget as a pop does (before, they were built whatever the
+    budget held: 500 lookups of an 8 MB message, one tenant's share of requests, were
+    13 GB of answers). Routes without payloads (a list, a cancel) never wait."""
+    with small.client() as c:
+        r = c.post("/api/v1/push", json={"items": [{"queue": "held", "transactionId": "m1", "payload": {"k": 1}}]})
+        assert r.status_code == 201, r.text
+        assert post(c, op("schedule", "peeked")).status_code == 200
+        popped = c.get("/api/v1/pop/queue/held", params={"batch": 1}).json()["messages"][0]
+        partition_id = popped["partitionId"]
+        r = c.post("/api/v1/ack", json={"transactionId": "m1", "partitionId": partition_id, "status": "dlq",
+                                        "leaseId": popped.get("leaseId"), "error": "bad"})
+        assert r.status_code == 200, r.text
+    weighed = {"detail": f"/api/v1/messages/{partition_id}/m1", "dlq": "/api/v1/dlq?queue=held",
+               "peek": "/api/v1/timers/reminders/peeked"}
+    holder = hold_share(small)  # the tenant's half of the budget, held
+    try:
+        with small.client() as c:
+            for name, path in weighed.items():
+                err = assert_json_error(c.get(path), 503, "timers_unavailable")
+                assert "QUEEN_BODY_BUDGET_BYTES" in err["detail"], (name, err)
+            assert c.get("/api/v1/timers/reminders").status_code == 200  # a list holds no payload
+            assert c.delete("/api/v1/timers/reminders/absent-one").json()["status"] == "absent"
+    finally:
+        holder.close()
+    wait_budget_free(small)
+    with small.client() as c:
+        assert c.get(weighed["detail"]).json()["transactionId"] == "m1"
+        assert [m["transactionId"] for m in c.get(weighed["dlq"]).json()["messages"]] == ["m1"]
+        assert c.get(weighed["peek"]).json()["found"] is True
+    wait_budget_free(small)  # each gave back what it held
+
+
+def test_a_dlq_page_holds_at_most_the_pop_bytes_bound(spawn_broker, db):
+    b = spawn_broker(QUEEN_POP_MAX_BYTES="1000000")
+    blob = "x" * 300_000
+    with b.client(timeout=60) as c:
+        r = c.post("/api/v1/push", json={"items": [{"queue": "dead", "transactionId": f"d{i}", "payload": {"b": blob}}
+                                                   for i in range(5)]})
+        assert r.status_code == 201, r.text
+        for _ in range(5):
+            m = c.get("/api/v1/pop/queue/dead", params={"batch": 1}).json()["messages"][0]
+            r = c.post("/api/v1/ack", json={"transactionId": m["transactionId"], "partitionId": m["partitionId"],
+                                            "leaseId": m.get("leaseId"), "status": "dlq"})
+            assert r.status_code == 200, r.text
+        page = c.get("/api/v1/dlq", params={"queue": "dead", "limit": 100}).json()
+        # three payloads of 300 KB fit 1,000,000 bytes, a fourth would not: offset + limit is the next page
+        assert len(page["messages"]) == 3 and page["total"] == 5, page["pagination"]
+        assert page["pagination"] == {"limit": 3, "offset": 0}
+        rest = c.get("/api/v1/dlq", params={"queue": "dead", "limit": 100, "offset": 3}).json()
+        assert len(rest["messages"]) == 2 and rest["pagination"] == {"limit": 100, "offset": 3}
+        seen = [m["transactionId"] for m in page["messages"] + rest["messages"]]
+        assert sorted(seen) == [f"d{i}" for i in range(5)]
+        # a dead letter larger than the bound still comes, alone
+        one = c.get("/api/v1/dlq", params={"queue": "dead", "limit": 1}).json()
+        assert len(one["messages"]) == 1 and one["pagination"] == {"limit": 1, "offset": 0}
+
+
 def test_a_push_at_the_log_routes_cap_succeeds(spawn_broker, db):
     b = spawn_broker(QUEEN_LOG_MAX_BODY_BYTES=str(2 * MiB))
     item = {"queue": "bulk", "payload": {"blob": "z" * 2000}}
