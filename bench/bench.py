@@ -239,6 +239,7 @@ def main() -> int:
     ap.add_argument("--mem-size-mb", type=int, default=360, help="mem: size of the hostile bodies (MB)")
     ap.add_argument("--mem-delete-rate", type=float, default=200, help="mem: the other tenant's DELETEs per second")
     ap.add_argument("--mem-settle-s", type=float, default=30, help="mem: RSS read this long after the flood")
+    ap.add_argument("--mem-unread-s", type=float, default=10, help="mem: seconds the unread pops are held")
     ap.add_argument("--conns-sockets", type=int, default=3000, help="conns: silent sockets held open")
     ap.add_argument("--conns-slow", type=int, default=1100, help="conns: never-ending bodies of one tenant")
     ap.add_argument("--conns-seconds", type=float, default=15, help="conns: seconds a phase")
@@ -322,7 +323,7 @@ def main() -> int:
             broker.stop()
             broker = None
         section("mem", mem.bench_mem, url, res, args.mem_clients, args.mem_size_mb, args.mem_delete_rate,
-                args.mem_settle_s)
+                args.mem_settle_s, unread_s=args.mem_unread_s)
         section("conns", conns.bench_conns, url, res, args.conns_sockets, args.conns_slow, args.conns_seconds,
                 args.conns_delete_rate)
         section("pgbouncer", pgbouncer.bench_pgbouncer, cluster, url, res, args.pgb_rate, args.pgb_seconds,

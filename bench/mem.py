@@ -10,6 +10,9 @@ Kinds, each sent by 8 clients at once (tenant `flood`):
   deep     legal nesting (127 levels), repeated to ~360 MB (refused: too many values)
   push     the largest legal push (QUEEN_LOG_MAX_BODY_BYTES of 2 KB messages): 201
   pop      what the pushes left, by batches of 10,000 (QUEEN_POP_MAX_BYTES bounds each)
+  unread   3 pops per client of 3,500 messages of 2 KB (a 17 MB answer each) whose clients
+           never read the answer, held for --mem-unread-s seconds: the answers wait in the
+           broker's buffers, weighed in the body budget (before 40ec5d9 they weighed nothing)
 Meanwhile tenant `quiet` sends DELETEs at --mem-delete-rate/s on its own connection.
 
 Printed: the broker's idle RSS, its peak RSS per kind (VmHWM, reset before each
@@ -32,7 +35,7 @@ import time
 
 import jwt
 
-from harness import log, pct, start_broker
+from harness import log, metric_sum, pct, start_broker
 
 SECRET = "bench-secret-for-queen-timers-mem-section-0123"
 MB = 1_000_000
@@ -95,6 +98,38 @@ def push_body(cap: int) -> bytes:
     item = json.dumps({"queue": "flood-log", "payload": {"blob": "z" * 2000}}).encode()
     n = (cap - 64) // (len(item) + 1)
     return b'{"items":[' + b",".join([item] * n) + b"]}"
+
+
+def unread_pops(b, pid: int, clients: int, hold_s: float) -> dict:
+    """3 pops per client whose answers are never read; the peak RSS while they are held."""
+    import httpx
+    queues = [f"flood-unread-{k}" for k in range(3 * clients)]
+    item = {"payload": {"blob": "z" * 2000}}
+    with httpx.Client(base_url=b.url, timeout=300, headers={"Authorization": bearer("flood")}) as h:
+        for q in queues:
+            r = h.post("/api/v1/push", json={"items": [{**item, "queue": q}] * 3500})
+            assert r.status_code == 201, r.text
+    reset_peak(pid)
+    refusals0 = metric_sum(b.metrics(), "queen_timers_body_budget_refusals_total") or 0
+    socks = []
+    t = time.monotonic()
+    try:
+        for q in queues:
+            sock = socket.socket()
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            sock.connect(("127.0.0.1", b.port))
+            sock.sendall(f"GET /api/v1/pop/queue/{q}?batch=3500 HTTP/1.1\r\nHost: x\r\n"
+                         f"Authorization: {bearer('flood')}\r\n\r\n".encode())
+            socks.append(sock)
+        time.sleep(hold_s)
+        text = b.metrics()
+        held = metric_sum(text, "queen_timers_body_budget_in_use_bytes") or 0
+        refused = (metric_sum(text, "queen_timers_body_budget_refusals_total") or 0) - refusals0
+    finally:
+        for sock in socks:
+            sock.close()
+    return {"pops": len(queues), "seconds": round(time.monotonic() - t, 1), "peak_rss_mb": round(rss_mb(pid, "VmHWM"), 1),
+            "budget_held_mb": round(held / MB, 1), "refused_503": int(refused)}
 
 
 # ---------------------------------------------------------------------------
@@ -297,7 +332,7 @@ def send_kind(port: int, path: str, bodies: list[bytes], retry_503_until: float 
 
 
 def bench_mem(url: str, res, clients: int, size_mb: int, delete_rate: float, settle_s: float,
-              max_ops: int = 256) -> None:
+              max_ops: int = 256, unread_s: float = 10) -> None:
     log("\n== mem: one tenant floods the broker with its worst requests, another cancels ==")
     b = start_broker(url, "mem", QUEEN_AUTH="jwt", QUEEN_JWT_SECRET=SECRET, QUEEN_TIMERS_MAX_OPS=str(max_ops))
     pid = b.proc.pid
@@ -375,6 +410,12 @@ def bench_mem(url: str, res, clients: int, size_mb: int, delete_rate: float, set
                                  "peak_rss_mb": round(peak, 1), "answers": tally, "tries": tries,
                                  "refused_within_s": round(max(refusal_t), 3) if refusal_t else None}
                 del bodies
+            u = unread_pops(b, pid, clients, unread_s)
+            peak_all = max(peak_all, u["peak_rss_mb"])
+            log(f"  unread {u['pops']} pops of 17 MB answers nobody reads, held {u['seconds']:.0f} s: peak RSS "
+                f"{u['peak_rss_mb']:6.0f} MB; the budget holds {u['budget_held_mb']:.0f} MB for the answers "
+                f"waiting to be read; {u['refused_503']} of the pops answered 503 (no room within QUEEN_BODY_WAIT_MS)")
+            figures["unread"] = u
             flood_end = time.monotonic()
         lat = deletes.lat
         p50, p99 = pct(lat, 50), pct(lat, 99)
