@@ -279,15 +279,23 @@ def test_an_answer_the_client_does_not_take_is_weighed_until_it_leaves_and_reset
     try:
         data = b""
         start = time.monotonic()
+        held_while_reading = None
         while b"\r\n\r\n" not in data or len(data.partition(b"\r\n\r\n")[2]) < int(
                 re.search(rb"content-length: (\d+)", data).group(1)):
             chunk = slow.recv(256 * 1024)
             assert chunk, "the connection closed midway"
             data += chunk
             time.sleep(0.05)
+            if held_while_reading is None and time.monotonic() - start > 1.0:
+                held_while_reading = budget_in_use(b)  # the pop is done; its answer is still leaving
         assert time.monotonic() - start > 1.5  # it took longer than the send timeout, reading throughout
+        assert held_while_reading and held_while_reading > 0
         head, _, body = data.partition(b"\r\n\r\n")
         assert head.startswith(b"HTTP/1.1 200") and len(json.loads(body)["messages"]) == 3500
+        deadline = time.monotonic() + 5
+        while budget_in_use(b) != 0:  # read to the end, the connection still open: its weight is back
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
     finally:
         slow.close()
 
