@@ -458,16 +458,6 @@ async def get_message(request: Request) -> JSONResponse:
 # DLQ
 # ---------------------------------------------------------------------------
 
-# queen.list_dlq's page, the leading entries whose payloads add up to at most the bound
-# (the first one whatever its size): a running sum over the function's order
-DLQ_PAGE_SQL = """
-SELECT * FROM (SELECT d.*, sum(octet_length(d.payload)) OVER (ORDER BY d.ordinality) AS upto
-                 FROM queen.list_dlq(%s, %s, %s, %s, %s) WITH ORDINALITY AS d) AS x
- WHERE x.ordinality = 1 OR x.upto <= %s
- ORDER BY x.ordinality
-"""
-
-
 def _largest_payload(settings) -> int:
     """The largest payload a stored message can hold: a push's body, or a fired timer's."""
     return max(settings.log_max_body_bytes, 2 * PAYLOAD_CEILING_BYTES)
@@ -488,8 +478,8 @@ async def list_dlq(request: Request) -> JSONResponse:
     await weigh_answer(request, principal.tenant, min(settings.pop_max_bytes, limit * _largest_payload(settings)),
                        limit)
     async with _conn(request) as conn:
-        cur = await conn.execute(DLQ_PAGE_SQL, (principal.tenant, queue, group, limit, offset,
-                                                settings.pop_max_bytes))
+        cur = await conn.execute("SELECT * FROM queen.list_dlq(%s, %s, %s, %s, %s, p_max_bytes => %s)",
+                                 (principal.tenant, queue, group, limit, offset, settings.pop_max_bytes))
         rows = await cur.fetchall()
         weigh_fetched(request, sum(len(r["payload"]) for r in rows), len(rows))
         cur = await conn.execute("SELECT queen.count_dlq(%s, %s, %s) AS total", (principal.tenant, queue, group))

@@ -17,4 +17,5 @@ INSERT INTO queen.schema_migrations (version, name) VALUES
     (12, 'resume_wakes'),
     (13, 'staged_payloads'),
     (14, 'pop_bytes'),
-    (15, 'stats_pages');
+    (15, 'stats_pages'),
+    (16, 'dlq_bytes');

@@ -3,7 +3,7 @@
 -- dead-letter) into the queue of the timer's tenant; names over 255
 -- bytes raise QTBAD.
 BEGIN;
-SELECT plan(42);
+SELECT plan(47);
 
 CREATE FUNCTION pg_temp.item(p_queue text, p_txn text, p_partition text DEFAULT NULL) RETURNS queen.push_item
 LANGUAGE sql AS $$ SELECT ROW(p_queue, p_partition, p_txn, NULL, convert_to(p_txn, 'UTF8'), false)::queen.push_item $$;
@@ -105,6 +105,21 @@ SELECT throws_ok($$SELECT * FROM queen.get_message('acme', gen_random_uuid(), re
                  'get_message: transactionId over 255 bytes');
 SELECT throws_ok($$SELECT * FROM queen.list_dlq('acme', repeat('q', 256))$$, 'QTBAD', 'timers_bad_request',
                  'list_dlq: queue over 255 bytes');
+
+-- ---------------------------------------------------------------- a DLQ page's bytes bound
+CREATE TEMP TABLE pc AS SELECT * FROM queen.push_messages('initech', ARRAY[pg_temp.item('dlqb', 'b-1'), pg_temp.item('dlqb', 'b-2'),
+                                                                         pg_temp.item('dlqb', 'b-3')], NULL);
+SELECT results_eq($$SELECT count(*) FILTER (WHERE dlq) FROM queen.ack_messages('initech',
+                    (SELECT array_agg(pg_temp.ack(m.transaction_id, m.partition_id, 'dlq'))
+                       FROM queen.pop_messages('initech', 'dlqb', p_batch => 10) AS m))$$,
+                  ARRAY[3::bigint], 'setup: three dead letters of 3 bytes each');
+SELECT is((SELECT count(*) FROM queen.list_dlq('initech', 'dlqb', p_max_bytes => 6)), 2::bigint,
+          'list_dlq: p_max_bytes 6 holds two payloads of 3 bytes');
+SELECT is((SELECT count(*) FROM queen.list_dlq('initech', 'dlqb', p_max_bytes => 1)), 1::bigint,
+          'the first entry comes whatever its size');
+SELECT is((SELECT count(*) FROM queen.list_dlq('initech', 'dlqb')), 3::bigint, 'NULL: no bound');
+SELECT throws_ok($$SELECT * FROM queen.list_dlq('initech', 'dlqb', p_max_bytes => 0)$$, 'QTBAD', 'timers_bad_request',
+                 'list_dlq: p_max_bytes below 1');
 
 SELECT * FROM finish();
 ROLLBACK;
