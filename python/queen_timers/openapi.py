@@ -217,6 +217,10 @@ KEY_PARAM = {"name": "timerKey", "in": "path", "required": True,
                           "plain": {"value": "trial:acme:day7"}}}
 UNAVAILABLE = _error("the database cannot answer (pool exhausted, statement timeout, unreachable)",
                      ["timers_unavailable"], RETRY_AFTER)
+# a peek holds its payload: it also waits for room in the body budget (docs/request-bodies.md)
+UNAVAILABLE_WEIGHED = _error("the database cannot answer (pool exhausted, statement timeout, unreachable), or "
+                             "the body budget had no room for the answer within QUEEN_BODY_WAIT_MS",
+                             ["timers_unavailable"], RETRY_AFTER)
 
 
 def _json(description: str, schema: dict) -> dict:
@@ -293,7 +297,7 @@ TIMER_PATHS: dict[str, dict] = {
                 "400": _error("shape", ["timers_bad_request"]),
                 **AUTH_RESPONSES,
                 "403": _forbidden_only(),
-                "503": UNAVAILABLE,
+                "503": UNAVAILABLE_WEIGHED,
             },
         },
         "delete": {

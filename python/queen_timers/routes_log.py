@@ -685,6 +685,9 @@ _AUTH = {"401": _err("no credential, or a bad one (QUEEN_AUTH=jwt)", ["unauthori
          "403": _err("the credential's access level is too low", ["forbidden"])}
 _BAD = {"400": _err("shape", ["timers_bad_request"])}
 _UNAVAILABLE = {"503": _err("the database cannot answer right now", ["timers_unavailable"])}
+# the routes whose answers hold stored payloads wait for room in the body budget too
+_UNAVAILABLE_WEIGHED = {"503": _err("the database cannot answer right now, or the body budget had no room for the "
+                                    "answer within QUEEN_BODY_WAIT_MS (Retry-After)", ["timers_unavailable"])}
 
 
 def _q(name: str, schema: dict, description: str) -> dict:
@@ -748,14 +751,15 @@ OPENAPI_PATHS: dict = {
         "responses": {"200": _json("the message", _ref("MessageDetail")),
                       "404": _json("no such message", {"type": "object", "properties": {
                           "error": {"const": "Message not found"}}}),
-                      **_AUTH, **_UNAVAILABLE}}},
+                      **_AUTH, **_UNAVAILABLE_WEIGHED}}},
     "/api/v1/dlq": {"get": {
         "summary": "Dead letters, newest first (`partition`, `from`, `to` are ignored, as in Queen)",
         "parameters": [_q("queue", {"type": "string"}, "queue name (all queues when absent)"),
                        _q("consumerGroup", {"type": "string"}, "consumer group (all when absent)"),
                        _q("limit", {"type": "integer", "default": 100}, "page size (any integer, clamped to 1..1000)"),
                        _q("offset", {"type": "integer", "default": 0}, "rows to skip (a negative one is 0)")],
-        "responses": {"200": _json("a page", _ref("DlqPage")), **_BAD, **_AUTH, **_UNAVAILABLE}}},
+        "responses": {"200": _json("a page (at most QUEEN_POP_MAX_BYTES of payloads, its first entry always)",
+                                   _ref("DlqPage")), **_BAD, **_AUTH, **_UNAVAILABLE_WEIGHED}}},
     "/api/v1/dlq/{id}/replay": {"post": {
         "summary": "Replay a dead letter into its partition as a new message (not a timer's)",
         "parameters": [_p("id", "the DLQ entry's dlqId")],
@@ -862,7 +866,11 @@ OPENAPI_SCHEMAS: dict = {
             "retryCount": {"type": "integer"}, "isEncrypted": {"type": "boolean"},
             "payloadZstd": {"type": "boolean", "description": "a timer's zstd payload, dead-lettered as stored"},
             "failedAt": {"type": "string"}}}},
-        "pagination": {"type": "object", "properties": {"limit": {"type": "integer"}, "offset": {"type": "integer"}}},
+        "pagination": {"type": "object", "properties": {
+            "limit": {"type": "integer", "description": "the page size; when QUEEN_POP_MAX_BYTES of payloads cut the "
+                                                        "page short, the number of entries it holds (offset + limit "
+                                                        "is the next page either way)"},
+            "offset": {"type": "integer"}}},
         "total": {"type": "integer"}}},
     "TransactionRequest": {"type": "object", "required": ["operations"], "properties": {
         "operations": {"type": "array", "minItems": 1, "items": {"oneOf": [
