@@ -210,7 +210,7 @@ class JsonErrorHttpToolsProtocol(HttpToolsProtocol):
     _raw_head = 0       # bytes received while a head stayed open
     _head_timer: asyncio.TimerHandle | None = None
     _send_watch: asyncio.TimerHandle | None = None
-    _send_left = 0       # bytes of answers still in the transport's buffer at the last look
+    _send_left = 0       # bytes the client had not taken at the last look (_unsent)
     _send_progress = 0.0  # when the client last took some of them
     _parked: list | None = None  # requests whose answer is still in the buffer (park)
 
@@ -249,7 +249,7 @@ class JsonErrorHttpToolsProtocol(HttpToolsProtocol):
     # whose answer is still above the buffer's high-water mark keeps its weight in
     # the body budget and its request slot until the buffer drains (park, from
     # bodies.release_body), and a client that takes none of it for
-    # send_timeout_s (QUEEN_SEND_TIMEOUT_MS) has its connection closed, which
+    # send_timeout_s (QUEEN_SEND_TIMEOUT_MS) has its connection reset, which
     # gives them back: nginx's send_timeout.
 
     def park(self, scope: dict) -> bool:
