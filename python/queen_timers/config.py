@@ -32,6 +32,13 @@ def _int(env: dict[str, str], name: str, default: int, minimum: int = 0) -> int:
     return value
 
 
+def tenant_share(total: int, auth: str) -> int:
+    """One tenant's share of a broker's bound (requests in progress, pool connections):
+    half of it under JWT, so that another tenant always finds room; all of it with auth
+    off, where every request is tenant `default`'s."""
+    return max(1, total // 2) if auth == "jwt" else total
+
+
 def _choice(env: dict[str, str], name: str, default: str, choices: tuple[str, ...]) -> str:
     value = (env.get(name) or default).strip().lower()
     if value not in choices:
@@ -160,10 +167,7 @@ class Settings:
             head_timeout_ms=_int(env, "QUEEN_HEAD_TIMEOUT_MS", 10000, 1),
             send_timeout_ms=_int(env, "QUEEN_SEND_TIMEOUT_MS", 60000, 1),
             max_connections=(max_conn := _int(env, "QUEEN_MAX_CONNECTIONS", 1000, 1)),
-            # one tenant's requests in progress: half the broker's under JWT (another tenant always
-            # finds room); with auth off every request is tenant `default`'s
-            tenant_max_requests=_int(env, "QUEEN_TENANT_MAX_REQUESTS",
-                                     max(1, max_conn // 2) if auth == "jwt" else max_conn, 1),
+            tenant_max_requests=_int(env, "QUEEN_TENANT_MAX_REQUESTS", tenant_share(max_conn, auth), 1),
             json_max_values=_int(env, "QUEEN_JSON_MAX_VALUES", 1_000_000, 1),
             timers_stage_bytes=_int(env, "QUEEN_TIMERS_STAGE_BYTES", 4 * 1024 * 1024, 0),
             encryption_key=_key(env),

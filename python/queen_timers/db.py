@@ -49,7 +49,7 @@ from psycopg.rows import dict_row
 from psycopg_pool import AsyncConnectionPool, PoolTimeout
 
 from .bodies import count_down
-from .config import Settings
+from .config import Settings, tenant_share
 from .errors import ReadOnlyServer
 
 log = logging.getLogger("queen_timers.db")
@@ -476,9 +476,8 @@ class BrokerPool(AsyncConnectionPool):
         self.settings = settings
         self.pooled = pooled(settings) and bool(settings.statement_timeout_ms)
         self._discard: set[int] = set()
-        # connections one tenant may hold or queue for at once (see _take_share): half the
-        # pool under JWT; with auth off every request is tenant `default`'s
-        self.tenant_share = max(1, self.max_size // 2) if settings.auth == "jwt" else self.max_size
+        # connections one tenant may hold or queue for at once (see _take_share)
+        self.tenant_share = tenant_share(self.max_size, settings.auth)
         self._by_tenant: dict[str, int] = {}
         self._tenant_waiters: dict[str, collections.deque] = {}
 

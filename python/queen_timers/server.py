@@ -53,6 +53,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
 from .bodies import PROTOCOL_KEY, release_body
+from .config import tenant_share
 
 MAX_HEAD_BYTES = 16 * 1024  # h11's max_incomplete_event_size default, uvicorn's h11 limit
 # file descriptors a broker needs besides its HTTP connections: its database connections
@@ -80,7 +81,7 @@ def fit_open_files(settings):
     if soft == resource.RLIM_INFINITY or soft >= need:
         return settings
     fits = max(1, soft - reserve)
-    tenant = min(settings.tenant_max_requests, max(1, fits // 2) if settings.auth == "jwt" else fits)
+    tenant = min(settings.tenant_max_requests, tenant_share(fits, settings.auth))
     logging.getLogger("queen_timers").warning(
         "QUEEN_MAX_CONNECTIONS=%s needs %s open files and this process may open %s (RLIMIT_NOFILE, "
         "hard limit %s): serving at most %s connections (QUEEN_TENANT_MAX_REQUESTS %s); raise the "

@@ -32,7 +32,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from test_body_budget import open_post
+from test_body_budget import budget_in_use, open_post
 from test_direct_lane import held, lock_waiters
 from test_input_limits import assert_json_error, read_response
 from timers_util import JWT_SECRET, op, token
@@ -248,11 +248,6 @@ def test_two_busy_tenants_cannot_take_the_last_slots_from_a_third(spawn_broker, 
     finally:
         for sock in acme + globex:
             sock.close()
-
-
-def budget_in_use(broker) -> float:
-    text = httpx.get(f"{broker.url}/metrics/prometheus", timeout=10).text
-    return float(re.search(r"^queen_timers_body_budget_in_use_bytes (\S+)$", text, re.M).group(1))
 
 
 def test_an_answer_the_client_does_not_take_is_weighed_until_it_leaves_and_reset_after_the_send_timeout(
