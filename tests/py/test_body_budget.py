@@ -21,6 +21,7 @@ import httpx
 import pytest
 
 from test_input_limits import NOTHING, assert_json_error, assert_still_healthy, read_response, written
+from test_log_api import ack, pop, push
 from timers_util import b64, op, post, token
 
 MAX_OPS = 8
@@ -298,14 +299,11 @@ def test_answers_that_hold_stored_payloads_are_weighed_before_they_are_fetched(s
     budget held: 500 lookups of an 8 MB message, one tenant's share of requests, were
     13 GB of answers). Routes without payloads (a list, a cancel) never wait."""
     with small.client() as c:
-        r = c.post("/api/v1/push", json={"items": [{"queue": "held", "transactionId": "m1", "payload": {"k": 1}}]})
-        assert r.status_code == 201, r.text
+        push(c, {"queue": "held", "transactionId": "m1", "payload": {"k": 1}})
         assert post(c, op("schedule", "peeked")).status_code == 200
-        popped = c.get("/api/v1/pop/queue/held", params={"batch": 1}).json()["messages"][0]
+        popped = pop(c, "held", batch=1)["messages"][0]
         partition_id = popped["partitionId"]
-        r = c.post("/api/v1/ack", json={"transactionId": "m1", "partitionId": partition_id, "status": "dlq",
-                                        "leaseId": popped.get("leaseId"), "error": "bad"})
-        assert r.status_code == 200, r.text
+        assert ack(c, popped, "dlq", error="bad")["dlq"] is True
     weighed = {"detail": f"/api/v1/messages/{partition_id}/m1", "dlq": "/api/v1/dlq?queue=held",
                "peek": "/api/v1/timers/reminders/peeked"}
     holder = hold_share(small)  # the tenant's half of the budget, held
@@ -330,14 +328,9 @@ def test_a_dlq_page_holds_at_most_the_pop_bytes_bound(spawn_broker, db):
     b = spawn_broker(QUEEN_POP_MAX_BYTES="1000000")
     blob = "x" * 300_000
     with b.client(timeout=60) as c:
-        r = c.post("/api/v1/push", json={"items": [{"queue": "dead", "transactionId": f"d{i}", "payload": {"b": blob}}
-                                                   for i in range(5)]})
-        assert r.status_code == 201, r.text
+        push(c, *({"queue": "dead", "transactionId": f"d{i}", "payload": {"b": blob}} for i in range(5)))
         for _ in range(5):
-            m = c.get("/api/v1/pop/queue/dead", params={"batch": 1}).json()["messages"][0]
-            r = c.post("/api/v1/ack", json={"transactionId": m["transactionId"], "partitionId": m["partitionId"],
-                                            "leaseId": m.get("leaseId"), "status": "dlq"})
-            assert r.status_code == 200, r.text
+            assert ack(c, pop(c, "dead", batch=1)["messages"][0], "dlq")["dlq"] is True
         page = c.get("/api/v1/dlq", params={"queue": "dead", "limit": 100}).json()
         # three payloads of 300 KB fit 1,000,000 bytes, a fourth would not: offset + limit is the next page
         assert len(page["messages"]) == 3 and page["total"] == 5, page["pagination"]
