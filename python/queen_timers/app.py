@@ -10,7 +10,7 @@ from psycopg_pool import PoolTimeout
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
@@ -60,6 +60,13 @@ async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
         detail = str(exc.detail)
     return JSONResponse({"error": slug, "detail": detail}, status_code=exc.status_code,
                         headers=exc.headers)
+
+
+async def client_gone(request: Request, exc: ClientDisconnect) -> Response:
+    """The client closed its connection before its body had all come: nobody is left to
+    answer (uvicorn drops what is sent), and nothing is wrong with the broker. It used to
+    log an "unexpected error" traceback, 1 KB a time: a client could fill the log at will."""
+    return Response(status_code=400)
 
 
 async def unexpected_error(request: Request, exc: Exception) -> JSONResponse:
@@ -211,7 +218,7 @@ def create_app(settings: Settings | None = None) -> Starlette:
         # handler (Exception) answers a JSON 500 internal_error.
         exception_handlers={ApiError: api_error, psycopg.Error: database_error,
                             PoolTimeout: database_error, HTTPException: http_error,
-                            Exception: unexpected_error},
+                            ClientDisconnect: client_gone, Exception: unexpected_error},
         # outermost: a request's share of the body budget is given back however it ends
         middleware=[Middleware(BodyBudgetRelease), Middleware(UnexpectedErrors)],
         lifespan=lifespan,

@@ -32,7 +32,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from test_body_budget import budget_in_use, open_post
+from test_body_budget import budget_in_use, open_post, wait_budget_free
 from test_direct_lane import held, lock_waiters
 from test_input_limits import assert_json_error, read_response
 from timers_util import JWT_SECRET, op, token
@@ -203,6 +203,26 @@ def test_a_keep_alive_client_at_the_limit_is_never_refused_for_its_own_last_requ
         assert set(codes) == {200}, {code: codes.count(code) for code in set(codes)}
     finally:
         holder.close()
+
+
+def test_a_client_that_closes_mid_body_leaves_nothing_held_and_nothing_in_the_log(spawn_broker, db):
+    # each one used to log an "unexpected error" traceback (1 KB): 1,100 slow bodies closed
+    # at once wrote 1.2 MB, and a client could go on at will
+    b = spawn_broker(QUEEN_AUTH="jwt", QUEEN_JWT_SECRET=JWT_SECRET)
+    line = f"Authorization: {token('read-write', tenant='acme')['Authorization']}\r\n"
+    socks = [open_post(b.port, path, 1000, b'{"ope', line)
+             for path in ("/api/v1/timers", "/api/v1/push") for _ in range(20)]
+    time.sleep(0.3)
+    assert budget_in_use(b) > 0
+    for sock in socks:
+        sock.close()
+    wait_budget_free(b)
+    with b.client() as c:  # and the tenant's slots came back: it is served
+        r = c.post("/api/v1/timers", headers=token("read-write", tenant="acme"),
+                   json={"operations": [op("schedule", "k1")]})
+        assert r.status_code == 200, r.text
+    log = b.log()
+    assert "unexpected error" not in log and "Traceback" not in log, log[-3000:]
 
 
 def test_two_busy_tenants_cannot_take_the_last_slots_from_a_third(spawn_broker, db):
