@@ -22,6 +22,7 @@ from .db import make_pool
 from .errors import ApiError, from_exception
 from .retention import Retention
 from .sweeper import Sweeper
+from .turns import SharedCall, Turns
 
 log = logging.getLogger("queen_timers")
 
@@ -156,13 +157,23 @@ class HotRoutes:
 
 
 class BrokerApp(Starlette):
-    """Starlette, with HotRoutes in front of its stack."""
+    """Starlette, with HotRoutes in front of its stack, and every request in its
+    tenant's turn (turns.py) before either."""
 
     hot: HotRoutes | None = None
+    turns: Turns | None = None  # QUEEN_AUTH=jwt only: with auth off every request is one tenant's
+    auth: Authenticator | None = None
     on_connection_reclaimed = staticmethod(lambda: None)  # server.py closed an idle connection to admit one
     on_send_timed_out = staticmethod(lambda: None)  # server.py closed a connection whose client took no answer
 
+    async def take_turn(self, scope) -> None:
+        wait = self.turns.start(self.auth.turn_key(scope))
+        if wait is not None:
+            await wait
+
     async def __call__(self, scope, receive, send) -> None:
+        if self.turns is not None and scope["type"] == "http":
+            await self.take_turn(scope)
         if (self.hot is not None and scope["type"] == "http" and not scope.get("root_path")
                 and (hit := self.hot.match(scope)) is not None):
             await self.hot.serve(self, hit, scope, receive, send)
@@ -175,13 +186,19 @@ async def health(request: Request) -> JSONResponse:
     body = {"status": "healthy", "database": "connected", "server": "queen-timers",
             "worker_id": state.settings.broker_id, "version": __version__,
             "queen": {"worker_id": state.settings.broker_id, "status": "active"}}
-    try:
-        async with state.pool.connection() as conn:
-            await conn.execute("SELECT 1")
-    except Exception:  # any failure to reach the database is "unhealthy", by definition
+    if not await state.health_check():
         body.update(status="unhealthy", database="disconnected")
         return JSONResponse(body, status_code=503)
     return JSONResponse(body)
+
+
+async def database_reachable(pool) -> bool:
+    try:
+        async with pool.connection() as conn:
+            await conn.execute("SELECT 1")
+    except Exception:  # any failure to reach the database is "unhealthy", by definition
+        return False
+    return True
 
 
 def create_app(settings: Settings | None = None) -> Starlette:
@@ -233,8 +250,13 @@ def create_app(settings: Settings | None = None) -> Starlette:
     sweeper.metrics.body_budget_in_use.set_function(lambda: budget.used)
     sweeper.metrics.body_budget_waiting.set_function(lambda: budget.waiting)
     app.state.pool = pool
+    app.state.health_check = SharedCall(lambda: database_reachable(pool))
+    app.state.metrics_scrape = SharedCall(lambda: routes_ops.scrape(pool, sweeper.metrics))
     app.state.read_pool = read_pool
-    app.state.auth = Authenticator(settings)
+    app.state.auth = app.auth = Authenticator(settings)
+    if app.auth.enabled:
+        app.turns = Turns()
+        sweeper.metrics.turns_waiting.set_function(lambda: app.turns.waiting)
     app.state.request_slots = app.state.auth.slots
     app.state.sweeper = sweeper
     app.state.retention = retention

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import jwt
 from starlette.requests import Request
 
+from . import turns
 from .bodies import TENANT_KEY, RequestSlots
 from .config import Settings
 from .errors import ApiError
@@ -46,6 +47,7 @@ class Principal:
 
 
 ANONYMOUS = Principal(tenant="default", sub=None, role=ADMIN)
+PRINCIPAL_KEY = "queen.principal"  # scope key: what identify() found
 
 
 class Authenticator:
@@ -61,9 +63,31 @@ class Authenticator:
         self.slots = RequestSlots(settings.tenant_max_requests, settings.max_connections)
 
     def principal(self, request: Request) -> Principal:
-        if not self.enabled:
-            return ANONYMOUS
-        header = request.headers.get("authorization", "")
+        found = self.identify(request.scope)
+        if isinstance(found, ApiError):
+            raise found
+        return found
+
+    def identify(self, scope: dict) -> Principal | ApiError:
+        """The request's principal, or the 401 its credential earns: checked once per
+        request, when it takes its turn (turns.py), and kept in the scope for require()."""
+        found = scope.get(PRINCIPAL_KEY)
+        if found is None:
+            try:
+                found = self._check(scope) if self.enabled else ANONYMOUS
+            except ApiError as exc:
+                found = exc
+            scope[PRINCIPAL_KEY] = found
+        return found
+
+    def turn_key(self, scope: dict) -> str | None:
+        """Whose turn a request takes: its tenant's, or ANONYMOUS's without a valid credential."""
+        found = self.identify(scope)
+        return turns.ANONYMOUS if isinstance(found, ApiError) else found.tenant
+
+    def _check(self, scope: dict) -> Principal:
+        header = next((value.decode("latin-1") for name, value in scope.get("headers", ())
+                       if name == b"authorization"), "")
         if not header.strip():
             raise ApiError(401, "unauthorized", "a Bearer token is required")
         scheme, _, token = header.strip().partition(" ")

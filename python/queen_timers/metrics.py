@@ -126,6 +126,11 @@ class Metrics:
             "queen_timers_body_budget_waiting",
             "Requests waiting, in arrival order, for room in the body budget (QUEEN_BODY_WAIT_MS at most)",
             registry=r)
+        self.turns_waiting = Gauge(
+            "queen_timers_requests_waiting_turn",
+            "Requests waiting for their tenant's next turn to start (turns.py: at most 4 of a tenant "
+            "start per iteration of the event loop under QUEEN_AUTH=jwt)",
+            registry=r)
         self.body_budget_refusals = Counter(
             "queen_timers_body_budget_refusals",
             "Requests answered 503 because the body budget had no room within QUEEN_BODY_WAIT_MS",

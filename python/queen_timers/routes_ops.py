@@ -144,9 +144,14 @@ def stats_page_size(buckets: int) -> int:
 
 
 async def prometheus(request: Request) -> Response:
-    metrics = request.app.state.sweeper.metrics
+    return Response(await request.app.state.metrics_scrape(), media_type=CONTENT_TYPE)
+
+
+async def scrape(pool, metrics) -> bytes:
+    """The gauges read from PostgreSQL, then every metric rendered (one at a time for every
+    scrape that comes meanwhile: turns.SharedCall, app.py)."""
     try:
-        async with request.app.state.pool.connection(tenant=request.scope.get(TENANT_KEY)) as conn:
+        async with pool.connection() as conn:
             cur = await conn.execute(STATUS_SQL)
             metrics.set_status(await cur.fetchone())
     except Exception as exc:
@@ -154,7 +159,7 @@ async def prometheus(request: Request) -> Response:
         # gauges read from PostgreSQL keep their last value
         if from_exception(exc) is None:
             raise
-    return Response(metrics.render(), media_type=CONTENT_TYPE)
+    return metrics.render()
 
 
 routes = [

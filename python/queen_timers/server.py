@@ -434,6 +434,8 @@ class JsonErrorHttpToolsProtocol(HttpToolsProtocol):
 
     async def _serve_direct(self, cycle: DirectCycle, hit, scope) -> None:
         try:
+            if self.app.turns is not None:
+                await self.app.take_turn(scope)
             response = await self.app.hot.respond(self.app, hit, scope, _no_body)
         finally:
             release_body(scope)
