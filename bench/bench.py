@@ -244,6 +244,8 @@ def main() -> int:
     ap.add_argument("--conns-slow", type=int, default=1100, help="conns: never-ending bodies of one tenant")
     ap.add_argument("--conns-seconds", type=float, default=15, help="conns: seconds a phase")
     ap.add_argument("--conns-delete-rate", type=float, default=200, help="conns: the other tenant's DELETEs per second")
+    ap.add_argument("--conns-cheap-clients", type=int, default=2,
+                    help="conns: processes of 64 connections sending requests answered at once")
     ap.add_argument("--pgb-rate", type=int, default=1000, help="pgbouncer: timers/s becoming due")
     ap.add_argument("--pgb-seconds", type=float, default=20, help="pgbouncer: seconds of load per round")
     ap.add_argument("--pgb-rounds", type=int, default=2, help="pgbouncer: rounds per set-up, alternating")
@@ -325,7 +327,7 @@ def main() -> int:
         section("mem", mem.bench_mem, url, res, args.mem_clients, args.mem_size_mb, args.mem_delete_rate,
                 args.mem_settle_s, unread_s=args.mem_unread_s)
         section("conns", conns.bench_conns, url, res, args.conns_sockets, args.conns_slow, args.conns_seconds,
-                args.conns_delete_rate)
+                args.conns_delete_rate, args.conns_cheap_clients)
         section("pgbouncer", pgbouncer.bench_pgbouncer, cluster, url, res, args.pgb_rate, args.pgb_seconds,
                 args.pgb_rounds)
         section("rss", scale.bench_rss, cluster, url, res, args.rss_n, args.rss_zstd_n, args.rss_zstd_bytes,

@@ -11,6 +11,12 @@ Phases, each --conns-seconds long, on one broker at its defaults (QUEEN_AUTH=jwt
   two    tenants `flood` and then `flood2` start --conns-slow such POSTs each: flood2 stops
          where it holds as many as are free (past three quarters in use), so the two never
          hold every slot between them.
+  cheap  --conns-cheap-clients processes (2) of 64 keep-alive connections each send, as fast
+         as they are answered, requests the broker answers without waiting on anything:
+         a quarter each GET /health, GET /metrics/prometheus and a GET with no credential
+         (401), all public, and tenant `flood`'s DELETEs with a read-only token (403).
+         Requests start in turns per tenant, those with no credential as one more
+         (turns.py); /health and /metrics make one call at a time for all their callers.
 Meanwhile tenant `quiet` sends DELETEs at --conns-delete-rate/s on one keep-alive connection,
 opening another and sending again when the broker closed it while idle (as HTTP clients do;
 the time counts in the DELETE's latency).
@@ -22,6 +28,7 @@ Target: every DELETE of quiet answered 200, p99 <= 50 ms, in each phase.
 
 from __future__ import annotations
 
+import asyncio
 import multiprocessing
 import os
 import selectors
@@ -100,6 +107,47 @@ def slow_posts(port: int, n: int, tenant: str = "flood") -> list[socket.socket]:
     return out
 
 
+CHEAP_CONNS = 64  # per process
+
+
+def cheap_main(port: int, stop, queue) -> None:
+    """One process of the cheap flood: CHEAP_CONNS keep-alive connections, each sending its
+    kind of request as soon as the last one is answered. Puts the answers' statuses."""
+    read_only = bearer("flood", "read-only")
+    kinds = [b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n",
+             b"GET /metrics/prometheus HTTP/1.1\r\nHost: x\r\n\r\n",
+             b"GET /api/v1/timers/q HTTP/1.1\r\nHost: x\r\n\r\n",
+             f"DELETE /api/v1/timers/q/k HTTP/1.1\r\nHost: x\r\nAuthorization: {read_only}\r\n\r\n".encode()]
+    codes: dict = {}
+
+    async def one(request: bytes) -> None:
+        reader = writer = None
+        while not stop.is_set():
+            try:
+                if writer is None:
+                    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+                writer.write(request)
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = next((int(line.partition(b":")[2]) for line in head.split(b"\r\n")[1:]
+                               if line.partition(b":")[0].strip().lower() == b"content-length"), 0)
+                await reader.readexactly(length)
+                status = head[9:12].decode()
+            except (OSError, asyncio.IncompleteReadError) as exc:
+                status = type(exc).__name__
+                if writer is not None:
+                    writer.close()
+                reader = writer = None
+            codes[status] = codes.get(status, 0) + 1
+        if writer is not None:
+            writer.close()
+
+    async def main() -> None:
+        await asyncio.gather(*(one(kinds[i % len(kinds)]) for i in range(CHEAP_CONNS)))
+
+    asyncio.run(main())
+    queue.put(codes)
+
+
 def answers(socks: list[socket.socket]) -> dict:
     """The status lines the slow requests got so far (none: still in progress)."""
     tally: dict = {}
@@ -122,9 +170,11 @@ def answers(socks: list[socket.socket]) -> dict:
 # the section
 # ---------------------------------------------------------------------------
 
-def bench_conns(url: str, res, sockets: int, slow: int, seconds: float, delete_rate: float) -> None:
+def bench_conns(url: str, res, sockets: int, slow: int, seconds: float, delete_rate: float,
+                cheap_clients: int = 2) -> None:
     log(f"\n== conns: {sockets} silent sockets, then {slow} never-ending bodies of one tenant, then {slow} of each "
-        f"of two tenants, while another cancels at {delete_rate:.0f}/s ({seconds:g} s a phase) ==")
+        f"of two tenants, then {cheap_clients * CHEAP_CONNS} connections of requests answered at once, while "
+        f"another tenant cancels at {delete_rate:.0f}/s ({seconds:g} s a phase) ==")
     b = start_broker(url, "conns", QUEEN_AUTH="jwt", QUEEN_JWT_SECRET=SECRET)
     figures: dict = {"sockets": sockets, "slow": slow, "seconds": seconds}
     ctx = multiprocessing.get_context("spawn")
@@ -164,6 +214,23 @@ def bench_conns(url: str, res, sockets: int, slow: int, seconds: float, delete_r
         finally:
             for sock in held + held2:
                 sock.close()
+        phase.value = b"between3"
+        time.sleep(2)
+        phase.value = b"cheap"
+        cheap_stop, cheap_queue = ctx.Event(), ctx.Queue()
+        cheap = [ctx.Process(target=cheap_main, args=(b.port, cheap_stop, cheap_queue), daemon=True)
+                 for _ in range(cheap_clients)]
+        for p in cheap:
+            p.start()
+        time.sleep(seconds)
+        cheap_stop.set()
+        tally: dict = {}
+        for _ in cheap:
+            for status, count in cheap_queue.get(timeout=60).items():
+                tally[status] = tally.get(status, 0) + count
+        for p in cheap:
+            p.join(30)
+        notes["cheap"] = {"broker_files": len(os.listdir(f"/proc/{b.proc.pid}/fd")), "answers": tally}
         phase.value = b"after"
         time.sleep(2)
         stop.set()
@@ -171,7 +238,7 @@ def bench_conns(url: str, res, sockets: int, slow: int, seconds: float, delete_r
         proc.join(30)
         reclaimed = metric_sum(b.metrics(), "queen_timers_http_connections_reclaimed_total")
         met = True
-        for name in ("idle", "slow", "two"):
+        for name in ("idle", "slow", "two", "cheap"):
             d = out.get(name, {"lat": [], "errors": {}, "reconnects": 0})
             lat = d["lat"]
             p50, p99 = pct(lat, 50), pct(lat, 99)
@@ -181,7 +248,7 @@ def bench_conns(url: str, res, sockets: int, slow: int, seconds: float, delete_r
                 f"max {max(lat) * 1000:.1f} ms; non-200 {d['errors'] or 'none'}; reconnects {d['reconnects']}; "
                 f"broker open files {notes[name]['broker_files']}"
                 + (f"; silent sockets closed by the broker and opened again {notes[name]['reopened']}"
-                   if name == "idle" else f"; the slow bodies' answers {notes[name]['answers']}"
+                   if name == "idle" else f"; the flood's answers {notes[name]['answers']}"
                    + (f" and {notes[name]['answers2']}" if name == "two" else ""))
                 + ("" if ok else "  <-- MISSED"))
             figures[name] = {"deletes": len(lat), "p50_ms": round(p50 * 1000, 2), "p99_ms": round(p99 * 1000, 2),
