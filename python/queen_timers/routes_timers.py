@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 import uuid
 from datetime import datetime, timezone
 from itertools import repeat
@@ -452,6 +453,21 @@ def _decode_early(op: object) -> object:
     return op
 
 
+# The operator's warning that a queue encrypts at rest and the broker has no key: once a
+# minute at most, however many requests meet it (a line per request would let any client
+# write the log as fast as it sends).
+NO_KEY_WARNING_EVERY_S = 60.0
+_no_key_warned_at = [-math.inf]
+
+
+def _warn_no_key(queue: str) -> None:
+    now = time.monotonic()
+    if now - _no_key_warned_at[0] >= NO_KEY_WARNING_EVERY_S:
+        _no_key_warned_at[0] = now
+        log.warning("queue %r encrypts at rest and QUEEN_ENCRYPTION_KEY is not set (said once a minute at "
+                    "most; every request into such a queue is answered 403 feature_gated)", queue)
+
+
 def _encrypt_ops(ops: list[dict], encrypting: set[str], key: bytes | None) -> None:
     """Encryption happens at schedule: for a queue that encrypts at rest the
     stored payload is Queen's envelope of the (decompressed) bytes."""
@@ -462,7 +478,7 @@ def _encrypt_ops(ops: list[dict], encrypting: set[str], key: bytes | None) -> No
             raise bad_request(f"operation {n}: 'encrypted' may not be supplied: queue {o['queue']!r} "
                               "encrypts at rest and the broker sets it")
         if key is None:
-            log.warning("queue %r encrypts at rest and QUEEN_ENCRYPTION_KEY is not set", o["queue"])
+            _warn_no_key(o["queue"])
             raise ApiError(403, "feature_gated",
                            f"queue {o['queue']!r} encrypts at rest and this broker has no "
                            "QUEEN_ENCRYPTION_KEY; timers into it are not available until an "

@@ -92,3 +92,13 @@ def test_encrypting_queue_without_a_key_is_403_feature_gated(client, db):
     assert rows(db) == []
     # cancels into that queue are unaffected
     assert post(client, op("cancel", "k", queue="secret")).json()["results"][0]["status"] == "absent"
+
+
+def test_the_missing_key_is_logged_once_a_minute_not_once_a_request(spawn_broker, db):
+    # a line per request let any client write the broker's log as fast as it could send
+    db.execute("INSERT INTO queen.queues (name, encryption_enabled) VALUES ('secret', true)")
+    b = spawn_broker()
+    with b.client() as c:
+        for i in range(20):
+            assert_error(post(c, op("schedule", f"k{i}", queue="secret")), 403, "feature_gated")
+    assert b.log().count("QUEEN_ENCRYPTION_KEY is not set") == 1, b.log()[-2000:]
