@@ -45,7 +45,7 @@ import psycopg
 from psycopg import AsyncConnection, pq
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from psycopg.pq import ConnStatus, ExecStatus, TransactionStatus
-from psycopg.rows import dict_row
+from psycopg.rows import dict_row, tuple_row
 from psycopg_pool import AsyncConnectionPool, PoolTimeout
 
 from .bodies import count_down
@@ -494,11 +494,17 @@ class BrokerPool(AsyncConnectionPool):
         try:
             conn = await self.getconn(max(deadline - monotonic(), 0.0))
             try:
-                if self.pooled:
-                    async with bounded(conn, self.settings):
+                try:
+                    if self.pooled:
+                        async with bounded(conn, self.settings):
+                            yield conn
+                    else:
                         yield conn
-                else:
-                    yield conn
+                except psycopg.Error as exc:
+                    if self.writable and await self._on_standby(conn, exc):
+                        raise ReadOnlyServer("the database is read-only right now (a standby, or a primary "
+                                             "being switched over)") from exc
+                    raise
             finally:
                 if id(conn) in self._discard:
                     self._discard.discard(id(conn))
@@ -507,6 +513,30 @@ class BrokerPool(AsyncConnectionPool):
         finally:
             if tenant is not None:
                 self._give_share(tenant)
+
+    async def _on_standby(self, conn: AsyncConnection, exc: psycopg.Error) -> bool:
+        """After a statement failed: is the connection's server a standby now (or a fenced,
+        read-only primary)? Then it is discarded (the next one goes through libpq's target_session_attrs to the primary).
+        A direct connection says so without a round trip (getconn's check), but behind
+        pgbouncer no ParameterStatus of the server comes through: after a switchover a pooled
+        connection to the pgbouncer of the old primary reaches a standby, and every statement
+        fails (25006, or 0A000 for the staging tables) until the connection is dropped.
+        Asked only after errors that are not the broker's own (QT*) nor of a class a standby
+        never causes (data, integrity, rollback, cancel): one round trip, on an error."""
+        state = exc.sqlstate or ""
+        if not state or state.startswith("QT") or state[:2] in ("22", "23", "40", "57") or conn.closed:
+            return False
+        try:
+            # a fenced primary (default_transaction_read_only) is refused the same way
+            async with conn.cursor(row_factory=tuple_row) as cur:
+                await cur.execute("SELECT pg_is_in_recovery() OR current_setting('transaction_read_only')::bool")
+                standby = bool((await cur.fetchone())[0])
+        except psycopg.Error:  # broken, or busy mid-result: not to be reused either way
+            standby = False
+            self._discard.add(id(conn))
+        if standby:
+            self._discard.add(id(conn))
+        return standby
 
     async def _take_share(self, tenant: str, deadline: float) -> None:
         """Wait (first come, first served among the tenant's own requests) until the tenant

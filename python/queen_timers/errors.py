@@ -147,7 +147,7 @@ def from_exception(exc: BaseException) -> ApiError | None:
             elif status in (429, 503):
                 headers["Retry-After"] = "1"
             return ApiError(status, slug, diag.message_detail, headers)
-        if sqlstate == READ_ONLY_SQLSTATE:
+        if sqlstate == READ_ONLY_SQLSTATE or isinstance(exc, ReadOnlyServer):
             return ApiError(503, "timers_unavailable",
                             "the database is read-only right now (a standby, or a primary being switched over)",
                             {"Retry-After": "1"})

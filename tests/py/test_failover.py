@@ -310,6 +310,56 @@ def test_fenced_primary_connections_are_discarded_not_reused(pair, tmp_path):
         b.kill()
 
 
+def test_a_pooled_connection_whose_pgbouncer_now_reaches_a_standby_is_dropped(pair, tmp_path):
+    """A pgbouncer per member (transaction pooling), the brokers on both: after a switchover
+    the pgbouncer of the old primary reaches a standby, and no ParameterStatus of the server
+    comes through it, so the broker's pooled connections to it fail every statement (25006,
+    0A000 for the staging tables: before, every POST was a 500 for good). Each is dropped at
+    its first failure, answered 503 with Retry-After, and the next connection goes, through
+    target_session_attrs=read-write, to the pgbouncer whose member takes writes."""
+    script = str(ROOT / "scripts" / "pgbouncer")
+    folders = [Path(tempfile.mkdtemp(prefix="queen-pgb-", dir="/tmp")) for _ in range(2)]
+    ports = [free_port(), free_port()]
+    for folder, port in zip(folders, ports):
+        folder.chmod(0o755)
+        subprocess.run([script, "start", str(folder), str(pair.primary_port), str(port), "4", "2"], check=True)
+    url = (f"postgresql://postgres@127.0.0.1:{ports[0]},127.0.0.1:{ports[1]}/{DB}"
+           "?target_session_attrs=read-write&connect_timeout=2")
+    b = start_broker(url, tmp_path, QUEEN_POOL_MODE="transaction", QUEEN_BROKER_ID="bouncers",
+                     QUEEN_POOL_TIMEOUT_MS=1000)
+    try:
+        with b.client() as c:
+            for i in range(5):  # the pool's connections: all through the first pgbouncer
+                assert post(c, schedule_op(f"pgb{i}")).status_code == 200
+            # the first pgbouncer's member is now the standby (as after a switchover)
+            ini = folders[0] / "pgbouncer.ini"
+            ini.write_text(ini.read_text().replace(f"port={pair.primary_port} ", f"port={pair.standby_port} "))
+            subprocess.run([script, "admin", str(folders[0]), "RELOAD"], check=True, capture_output=True)
+            failed = 0
+            for i in range(40):
+                r = post(c, schedule_op(f"pgs{i}"))
+                if r.status_code == 200:
+                    break
+                assert_503(r)  # never a 500: the request can be retried
+                failed += 1
+                time.sleep(0.05)
+            assert r.status_code == 200, f"no write came through after {failed} tries: {r.text}"
+            assert failed >= 1  # a pooled connection did meet the standby
+            for i in range(10):  # and every connection left goes to the primary
+                assert post(c, schedule_op(f"pgt{i}")).status_code == 200
+            # DELETE (the direct lane) and the log routes meet no standby either
+            assert c.delete("/api/v1/timers/fo/pgt0").json()["status"] == "cancelled"
+            assert c.post("/api/v1/push", json={"items": [{"queue": "fo-log", "payload": {"a": 1}}]}).status_code == 201
+        assert "unexpected" not in b.log(), b.log()[-3000:]
+        with connect(pair.primary) as prim:
+            prim.execute("DELETE FROM queen.timers")
+    finally:
+        b.kill()
+        for folder in folders:
+            subprocess.run([script, "stop", str(folder)], check=False)
+            shutil.rmtree(folder, ignore_errors=True)
+
+
 def test_a_silent_host_costs_one_connect_timeout(pair, tmp_path):
     """A host that accepts TCP and never answers (a hung machine) listed first: the
     broker's connect gives up on it after connect_timeout and uses the next host."""
