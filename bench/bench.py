@@ -252,6 +252,9 @@ def main() -> int:
     ap.add_argument("--patroni-seconds", type=float, default=30, help="patroni: seconds of load per round")
     ap.add_argument("--soak-minutes", type=int, default=60, help="length of the soak section's load")
     ap.add_argument("--soak-rate", type=int, default=1000, help="schedules per second of the soak")
+    ap.add_argument("--soak-setup", choices=("direct", "deployed"), default="direct",
+                    help="soak: the bench cluster, or a Patroni cell behind a pgbouncer per member with a "
+                         "switchover halfway")
     ap.add_argument("--fsync", default="on", choices=("on", "off"))
     args = ap.parse_args()
     if args.quick:
@@ -340,7 +343,7 @@ def main() -> int:
                 args.failover_detect_s)
         # its own etcd and two Patroni members (scripts/patroni-cell)
         section("patroni", patroni.drill_patroni, res, args.patroni_seconds)
-        section("soak", soak.bench_soak, cluster, url, res, args.soak_minutes, args.soak_rate)
+        section("soak", soak.bench_soak, cluster, url, res, args.soak_minutes, args.soak_rate, args.soak_setup)
     finally:
         if broker:
             broker.stop()

@@ -23,20 +23,32 @@ connections. At the end the verdicts, and the fate of every timer from the HTTP 
 rescheduled, cancelled, too_late, absent) against what the consumers popped and what the log holds.
 
 Every loop is bounded by the run's length; after the load stops the drain is bounded too.
+
+`--soak-setup deployed`: the same load the way a cell is deployed (docs/failover.md,
+docs/pgbouncer.md): a Patroni cell (scripts/patroni-cell: etcd, two members, synchronous
+replication), a pgbouncer in transaction pooling in front of each member (scripts/pgbouncer),
+the brokers' requests through both pgbouncers on one multi-host URL
+(target_session_attrs=read-write, QUEEN_POOL_MODE=transaction) and their sweepers on the members'
+multi-host URL (QUEEN_DIRECT_DATABASE_URL), and halfway through a planned switchover
+(`patronictl switchover`): the fate of every timer is checked across it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
+import subprocess
+import tempfile
 import threading
 import time
 from array import array
 from datetime import datetime
+from pathlib import Path
 
 import httpx
+import psycopg
 
-from harness import Broker, Cluster, connect, log, pct, start_broker
+from harness import ROOT, Broker, Cluster, connect, free_port, log, pct, start_broker, wait_until
 from scale import _rss_kb
 
 QUEUE = "soak"
@@ -108,8 +120,12 @@ class State:
 
 
 class Soak:
-    def __init__(self, cluster: Cluster, url: str, res, minutes: int, rate: int):
+    def __init__(self, cluster: Cluster | None, url: str, res, minutes: int, rate: int, *,
+                 broker_url: str | None = None, broker_env: dict | None = None, setup: str = "direct",
+                 midway=None):
         self.cluster, self.url, self.res, self.minutes, self.rate = cluster, url, res, minutes, rate
+        # deployed: the brokers' URL and settings, and what happens halfway (a switchover)
+        self.broker_url, self.broker_env, self.setup, self.midway = broker_url or url, broker_env or {}, setup, midway
         self.st = State(rate * 60 * minutes + rate * 2)
         self.brokers: list[Broker] = []
         self.rows: list[dict] = []
@@ -324,14 +340,40 @@ class Soak:
         return c
 
     def _sampler(self, stop: threading.Event, t0: float) -> None:
-        """Thread: one line per minute of load, on its own connection. Bounded by the run's minutes."""
+        """Thread: one line per minute of load, on its own connection (opened again when a
+        switchover closed it). Bounded by the run's minutes."""
         prev: dict = {}
-        with connect(self.url) as conn:
+        conn = connect(self.url)
+        try:
             for minute in range(1, self.minutes + 1):
                 if stop.wait(max(0.0, t0 + 60 * minute - time.monotonic())):
                     return
-                prev = self.sample(conn, minute, prev)
+                for attempt in range(10):
+                    try:
+                        prev = self.sample(conn, minute, prev)
+                        break
+                    except psycopg.OperationalError as exc:
+                        log(f"  (the sampler's connection: {str(exc).strip().splitlines()[0]}; again)")
+                        conn.close()
+                        time.sleep(1)
+                        try:
+                            conn = connect(self.url)
+                        except psycopg.OperationalError:
+                            continue
             self._prev = prev
+        finally:
+            conn.close()
+
+    def _midway(self, stop: threading.Event, t0: float) -> None:
+        """Thread: halfway through the load, self.midway() (the deployed set-up's switchover)."""
+        if stop.wait(max(0.0, t0 + 30 * self.minutes - time.monotonic())):
+            return
+        at = time.monotonic() - t0
+        try:
+            said = self.midway()
+        except Exception as exc:  # printed; the run goes on and its verdicts say what followed
+            said = f"FAILED: {exc}"
+        log(f"  at {at / 60:.1f} min: {said} ({time.monotonic() - t0 - at:.1f} s)")
 
     # ---------------------------------------------------------------- the run
     async def _run_async(self, seconds: float) -> None:
@@ -366,7 +408,10 @@ class Soak:
         w5, w20, wr = windows(m)
         log(f"\n== soak: {m} min, {rate} schedules/s over HTTP (10 % rescheduled, 10 % cancelled) on 2 brokers, "
             f"{CONSUMERS_PER_BROKER * 2} consumers popping and acking, retention every {RETENTION_INTERVAL_MS} ms "
-            f"(completedRetentionSeconds {SOAK_KEEP_S}), autovacuum at its defaults ==")
+            f"(completedRetentionSeconds {SOAK_KEEP_S}), autovacuum at its defaults; set-up {self.setup} ==")
+        if self.setup != "direct":
+            log(f"  brokers: QUEEN_DATABASE_URL={self.broker_url} "
+                + " ".join(f"{k}={v}" for k, v in self.broker_env.items()))
         if m < 60:
             log(f"  short run: windows scaled by {m}/60: lag over the first and last {w5} min, size growth over "
                 f"the last {w20} min, RSS against minute {wr} (an hour: 5, 20, 5)")
@@ -385,13 +430,15 @@ class Soak:
                                    "ORDER BY name").fetchall()
             log("  " + ", ".join(f"{k}={v}" for k, v in autovac))
             self._lag_lo = conn.execute("SELECT clock_timestamp()").fetchone()[0]
-        env = {"QUEEN_RETENTION_INTERVAL_MS": RETENTION_INTERVAL_MS}
-        self.brokers = [start_broker(self.url, f"soak{k}", **env) for k in (1, 2)]
+        env = {"QUEEN_RETENTION_INTERVAL_MS": RETENTION_INTERVAL_MS, **self.broker_env}
+        self.brokers = [start_broker(self.broker_url, f"soak{k}", **env) for k in (1, 2)]
         stop = threading.Event()
         try:
             t0 = time.monotonic()
             th = threading.Thread(target=self._sampler, args=(stop, t0), daemon=True)
             th.start()
+            if self.midway is not None:
+                threading.Thread(target=self._midway, args=(stop, t0), daemon=True).start()
             asyncio.run(self._run_async(60 * m + 0.5))
             th.join(timeout=90)
             stop.set()
@@ -555,5 +602,43 @@ class Soak:
                      verdicts={"lag": ok_lag, "size": ok_size, "rss": ok_rss, "fate": ok_fate}, minutes_rows=self.rows)
 
 
-def bench_soak(cluster: Cluster, url: str, res, minutes: int, rate: int) -> None:
-    Soak(cluster, url, res, minutes, rate).run()
+def bench_soak(cluster: Cluster, url: str, res, minutes: int, rate: int, setup: str = "direct") -> None:
+    if setup == "direct":
+        Soak(cluster, url, res, minutes, rate).run()
+        return
+    from patroni import PatroniCell, _create_db
+    cell, bouncers = PatroniCell(), []
+    script = str(ROOT / "scripts" / "pgbouncer")
+    try:
+        cell.start()
+        direct = _create_db(cell)
+        ports = dict(line.strip().split("=", 1) for line in (cell.dir / "ports").read_text().splitlines())
+        listen = []
+        for member in ("M1", "M2"):
+            folder = Path(tempfile.mkdtemp(prefix=f"queen-bench-soak-pgb-{member.lower()}-", dir="/tmp"))
+            folder.chmod(0o755)
+            port = free_port()
+            subprocess.run([script, "start", str(folder), ports[f"{member}_PG"], str(port), "20", "5"], check=True)
+            bouncers.append(folder)
+            listen.append(f"127.0.0.1:{port}")
+        pooled = f"postgresql://postgres@{','.join(listen)}/queen?target_session_attrs=read-write&connect_timeout=2"
+        versions = subprocess.run(["patroni", "--version"], capture_output=True, text=True).stdout.strip()
+        pgb = subprocess.run(["pgbouncer", "--version"], capture_output=True, text=True).stdout.splitlines()[0]
+        log(f"\n  set-up: {versions}, 2 members (synchronous_mode on), etcd; {pgb} in front of each member "
+            f"(pool_mode=transaction, default_pool_size=20); the members' URL {direct}")
+
+        def switchover() -> str:
+            before = cell.leader()
+            cell.run("switchover")
+            ok = wait_until(lambda: (now := cell.leader()) is not None and now[0] != before[0], 60, 0.2)
+            synced = wait_until(cell.has_sync_standby, 120, 0.5)
+            return (f"switchover {before[0]} -> {cell.leader()[0] if ok else '?'} "
+                    f"({'done' if ok else 'NOT DONE'}; the old leader {'is' if synced else 'is NOT'} the "
+                    f"synchronous standby again)")
+
+        Soak(None, direct, res, minutes, rate, broker_url=pooled, setup="deployed", midway=switchover,
+             broker_env={"QUEEN_POOL_MODE": "transaction", "QUEEN_DIRECT_DATABASE_URL": direct}).run()
+    finally:
+        for folder in bouncers:
+            subprocess.run([script, "stop", str(folder)], check=False)
+        cell.destroy()
