@@ -460,6 +460,71 @@ async def check(conn: AsyncConnection, *, writable: bool) -> None:
         raise ReadOnlyServer("the server is read-only (a standby, or fenced)")
 
 
+READ_ONLY_SQL = "SELECT pg_is_in_recovery() OR current_setting('transaction_read_only')::bool"
+
+
+async def _read_only(conn: AsyncConnection) -> bool:
+    """Asked of the server, one round trip: a standby, or a fenced primary."""
+    async with conn.cursor(row_factory=tuple_row) as cur:
+        await cur.execute(READ_ONLY_SQL)
+        return bool((await cur.fetchone())[0])
+
+
+def _host_attempts(conninfo: str) -> list[str]:
+    """One conninfo per host of a multi-host conninfo (libpq's rules: one port for all, or
+    one per host), in order."""
+    params = conninfo_to_dict(conninfo)
+    hosts = str(params.get("host") or "").split(",")
+    if len(hosts) < 2:
+        return [conninfo]
+    ports = str(params.get("port") or "").split(",")
+    addrs = str(params["hostaddr"]).split(",") if params.get("hostaddr") else None
+    out = []
+    for i, host in enumerate(hosts):
+        one = {**params, "host": host, "port": ports[i] if len(ports) == len(hosts) else ports[0]}
+        if addrs is not None:
+            one["hostaddr"] = addrs[i]
+        if not one["port"]:
+            del one["port"]
+        out.append(make_conninfo("", **one))
+    return out
+
+
+class WritableBehindPooler(AsyncConnection):
+    """The request pool's connections behind a transaction pooler (QUEEN_POOL_MODE=transaction):
+    each host of the URL in turn, the first whose server answers that it takes writes.
+
+    libpq's target_session_attrs=read-write believes the ParameterStatus a pgbouncer replays
+    from the server it first met: after a switchover the old primary's pgbouncer still says
+    in_hot_standby=off while its server is a standby, libpq takes it, and every statement
+    fails. Asked with a query, the pooler routes the question to the server itself."""
+
+    @classmethod
+    async def connect(cls, conninfo: str = "", **kwargs):
+        errors: list[Exception] = []
+        for one in _host_attempts(conninfo):
+            try:
+                conn = await super().connect(one, **kwargs)
+            except psycopg.OperationalError as exc:
+                errors.append(exc)
+                continue
+            try:
+                read_only = await _read_only(conn)
+            except psycopg.Error as exc:
+                await conn.close()
+                errors.append(exc)
+                continue
+            if not read_only:
+                return conn
+            await conn.close()
+            params = conninfo_to_dict(one)
+            errors.append(ReadOnlyServer(f"{params.get('host')}:{params.get('port')}: the server behind it "
+                                         "takes no writes (a standby, or fenced)"))
+        if len(errors) == 1:
+            raise errors[0]
+        raise psycopg.OperationalError("no host takes writes: " + "; ".join(str(e).strip() for e in errors))
+
+
 class BrokerPool(AsyncConnectionPool):
     """psycopg_pool's pool, with a checkout check that costs no round trip.
 
@@ -528,9 +593,7 @@ class BrokerPool(AsyncConnectionPool):
             return False
         try:
             # a fenced primary (default_transaction_read_only) is refused the same way
-            async with conn.cursor(row_factory=tuple_row) as cur:
-                await cur.execute("SELECT pg_is_in_recovery() OR current_setting('transaction_read_only')::bool")
-                standby = bool((await cur.fetchone())[0])
+            standby = await _read_only(conn)
         except psycopg.Error:  # broken, or busy mid-result: not to be reused either way
             standby = False
             self._discard.add(id(conn))
@@ -626,6 +689,8 @@ def make_pool(settings: Settings, *, read: bool = False) -> BrokerPool:
     role = "queen-broker-read" if read else "queen-broker"
     return BrokerPool(
         conninfo(url, settings, writable=not read),
+        # behind a transaction pooler the primary is found by asking (WritableBehindPooler)
+        connection_class=WritableBehindPooler if pooled(settings) and not read else AsyncConnection,
         writable=not read,
         settings=settings,
         min_size=settings.pool_min,
@@ -658,7 +723,9 @@ async def connect(settings: Settings, role: str, url: str | None = None) -> Asyn
                                 f"queen-{role}:{settings.broker_id}")
     else:
         kwargs = connect_kwargs(settings, f"queen-{role}:{settings.broker_id}")
-    conn = await AsyncConnection.connect(conninfo(url or settings.database_url, settings), **kwargs)
+    # through the pooler, the primary is found by asking (WritableBehindPooler)
+    cls = WritableBehindPooler if pooled(settings) and not direct else AsyncConnection
+    conn = await cls.connect(conninfo(url or settings.database_url, settings), **kwargs)
     if direct:
         _DIRECT.add(conn)
     if read_only_server(conn):
