@@ -472,11 +472,11 @@ async def _read_only(conn: AsyncConnection) -> bool:
 
 def _host_attempts(conninfo: str) -> list[str]:
     """One conninfo per host of a multi-host conninfo (libpq's rules: one port for all, or
-    one per host), in order."""
-    params = conninfo_to_dict(conninfo)
+    one per host), in order, each with target_session_attrs=any: WritableBehindPooler asks."""
+    params = {**conninfo_to_dict(conninfo), "target_session_attrs": "any"}
     hosts = str(params.get("host") or "").split(",")
     if len(hosts) < 2:
-        return [conninfo]
+        return [make_conninfo("", **params)]
     ports = str(params.get("port") or "").split(",")
     addrs = str(params["hostaddr"]).split(",") if params.get("hostaddr") else None
     out = []
@@ -497,7 +497,8 @@ class WritableBehindPooler(AsyncConnection):
     libpq's target_session_attrs=read-write believes the ParameterStatus a pgbouncer replays
     from the server it first met: after a switchover the old primary's pgbouncer still says
     in_hot_standby=off while its server is a standby, libpq takes it, and every statement
-    fails. Asked with a query, the pooler routes the question to the server itself."""
+    fails; and the new primary's still says on, and libpq refuses it. Asked with a query,
+    the pooler routes the question to the server itself."""
 
     @classmethod
     async def connect(cls, conninfo: str = "", **kwargs):
@@ -540,6 +541,10 @@ class BrokerPool(AsyncConnectionPool):
         self.writable = writable
         self.settings = settings
         self.pooled = pooled(settings) and bool(settings.statement_timeout_ms)
+        # a transaction pooler replays the ParameterStatus of the server it first met, which a
+        # switchover makes wrong either way: then writability is asked of the server instead
+        # (WritableBehindPooler on connect, _on_standby after a failed statement)
+        self.behind_pooler = pooled(settings)
         self._discard: set[int] = set()
         # connections one tenant may hold or queue for at once (see _take_share)
         self.tenant_share = tenant_share(self.max_size, settings.auth)
@@ -660,7 +665,7 @@ class BrokerPool(AsyncConnectionPool):
         while True:
             conn = await super().getconn(timeout=max(deadline - monotonic(), 0.0))
             try:
-                await check(conn, writable=self.writable)
+                await check(conn, writable=self.writable and not self.behind_pooler)
             except psycopg.Error as exc:
                 log.info("pool %s: discarding a connection (%s)", self.name, str(exc).splitlines()[0])
                 try:
@@ -728,7 +733,7 @@ async def connect(settings: Settings, role: str, url: str | None = None) -> Asyn
     conn = await cls.connect(conninfo(url or settings.database_url, settings), **kwargs)
     if direct:
         _DIRECT.add(conn)
-    if read_only_server(conn):
+    if cls is AsyncConnection and read_only_server(conn):  # WritableBehindPooler asked already
         await conn.close()
         raise ReadOnlyServer(f"{role}: the server is read-only (a standby, or fenced); not using it")
     return conn

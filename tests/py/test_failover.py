@@ -365,38 +365,43 @@ class Relay:
         self.server.close()
 
 
-def test_a_pgbouncer_whose_member_became_a_standby_is_left_for_the_one_that_takes_writes(pair, tmp_path):
-    """A pgbouncer per member (transaction pooling), the brokers on both. After a switchover
-    the old primary's pgbouncer reaches a standby, and it still replays the ParameterStatus
-    of the primary it first met (in_hot_standby off), so libpq's target_session_attrs took
-    it, and every statement failed: every POST a 500 for good (the soak's switchover,
-    bench/history/2026-12-04-deployed-soak.md). Now a failed statement's connection is
-    dropped when its server says it takes no writes (503 with Retry-After), and a new
-    connection asks each pgbouncer's server before using it (db.WritableBehindPooler)."""
+def test_a_switchover_under_a_pgbouncer_per_member_moves_the_broker_to_the_new_primary(pair, tmp_path):
+    """A pgbouncer per member (transaction pooling), the brokers on both. A pgbouncer replays
+    to new clients the server parameters of the server it first met: after a switchover the
+    old primary's pgbouncer still says in_hot_standby=off, the new primary's still says on,
+    and libpq's target_session_attrs=read-write takes the first and refuses the second: every
+    POST was a 500 for good (the soak's switchover, bench/history/2026-12-04-deployed-soak.md).
+    Now a failed statement's connection is dropped when its server takes no writes (503 with
+    Retry-After), and a new connection asks each pgbouncer's server (db.WritableBehindPooler).
+    Relays under the two pgbouncers swap their members, as a switchover does."""
     script = str(ROOT / "scripts" / "pgbouncer")
-    relay = Relay(pair.primary_port)  # what the first pgbouncer sees as its member
+    relays = [Relay(pair.primary_port), Relay(pair.standby_port)]
     folders = [Path(tempfile.mkdtemp(prefix="queen-pgb-", dir="/tmp")) for _ in range(2)]
     ports = [free_port(), free_port()]
-    for folder, port, member in zip(folders, ports, (relay.port, pair.primary_port)):
+    for folder, port, relay in zip(folders, ports, relays):
         folder.chmod(0o755)
-        subprocess.run([script, "start", str(folder), str(member), str(port), "4", "2"], check=True)
+        subprocess.run([script, "start", str(folder), str(relay.port), str(port), "4", "2"], check=True)
     url = (f"postgresql://postgres@127.0.0.1:{ports[0]},127.0.0.1:{ports[1]}/{DB}"
            "?target_session_attrs=read-write&connect_timeout=2")
     b = start_broker(url, tmp_path, QUEEN_POOL_MODE="transaction", QUEEN_BROKER_ID="bouncers",
                      QUEEN_POOL_TIMEOUT_MS=1000)
     try:
+        with connect(pair.url(ports[1])) as second:  # the second pgbouncer meets its member (a standby)
+            assert second.execute("SELECT pg_is_in_recovery() AS r").fetchone()["r"]
         with b.client() as c:
             for i in range(5):  # the pool's connections: all through the first pgbouncer
                 assert post(c, schedule_op(f"pgb{i}")).status_code == 200
-            relay.point_at(pair.standby_port)  # the first pgbouncer's member is now a standby
+            # the switchover: the first pgbouncer's member is now the standby, the second's the primary
+            relays[0].point_at(pair.standby_port)
+            relays[1].point_at(pair.primary_port)
             failed = 0
-            for i in range(40):
+            for i in range(60):
                 r = post(c, schedule_op(f"pgs{i}"))
                 if r.status_code == 200:
                     break
                 assert_503(r)  # never a 500: the request can be retried
                 failed += 1
-                time.sleep(0.05)
+                time.sleep(0.1)
             assert r.status_code == 200, f"no write came through after {failed} tries: {r.text}"
             for i in range(20):  # and it stays so: no connection goes back to the standby
                 assert post(c, schedule_op(f"pgt{i}")).status_code == 200
@@ -411,7 +416,8 @@ def test_a_pgbouncer_whose_member_became_a_standby_is_left_for_the_one_that_take
         for folder in folders:
             subprocess.run([script, "stop", str(folder)], check=False)
             shutil.rmtree(folder, ignore_errors=True)
-        relay.close()
+        for relay in relays:
+            relay.close()
 
 
 def test_a_silent_host_costs_one_connect_timeout(pair, tmp_path):
