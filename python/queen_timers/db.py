@@ -586,7 +586,8 @@ class BrokerPool(AsyncConnectionPool):
 
     async def _on_standby(self, conn: AsyncConnection, exc: psycopg.Error) -> bool:
         """After a statement failed: is the connection's server a standby now (or a fenced,
-        read-only primary)? Then it is discarded (the next one goes through libpq's target_session_attrs to the primary).
+        read-only primary)? Then it is discarded, and the next one is opened on the primary
+        (target_session_attrs directly, WritableBehindPooler behind a pooler).
         A direct connection says so without a round trip (getconn's check), but behind
         pgbouncer no ParameterStatus of the server comes through: after a switchover a pooled
         connection to the pgbouncer of the old primary reaches a standby, and every statement
