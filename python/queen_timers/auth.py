@@ -77,6 +77,8 @@ class Authenticator:
                 found = self._check(scope) if self.enabled else ANONYMOUS
             except ApiError as exc:
                 found = exc
+            except Exception:  # checked before the app's handlers (turns): never a 500 for a token
+                found = ApiError(401, "unauthorized", "invalid token")
             scope[PRINCIPAL_KEY] = found
         return found
 
