@@ -134,8 +134,9 @@ class RawHttp:
         self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
         return self
 
-    async def request(self, method: str, path: str) -> tuple[int, bytes]:
-        self.writer.write(f"{method} {path} HTTP/1.1\r\nHost: {self.host}\r\n\r\n".encode())
+    async def request(self, method: str, path: str, headers: str = "") -> tuple[int, bytes]:
+        """headers: more header lines, each ending in CRLF."""
+        self.writer.write(f"{method} {path} HTTP/1.1\r\nHost: {self.host}\r\n{headers}\r\n".encode())
         head = await self.reader.readuntil(b"\r\n\r\n")
         length = 0
         for line in head.split(b"\r\n")[1:]:

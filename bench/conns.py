@@ -36,6 +36,7 @@ import socket
 import threading
 import time
 
+from cancel import RawHttp
 from harness import log, metric_sum, pct, start_broker
 from mem import SECRET, _deletes_main, bearer
 
@@ -114,35 +115,28 @@ def cheap_main(port: int, stop, queue) -> None:
     """One process of the cheap flood: CHEAP_CONNS keep-alive connections, each sending its
     kind of request as soon as the last one is answered. Puts the answers' statuses."""
     read_only = bearer("flood", "read-only")
-    kinds = [b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n",
-             b"GET /metrics/prometheus HTTP/1.1\r\nHost: x\r\n\r\n",
-             b"GET /api/v1/timers/q HTTP/1.1\r\nHost: x\r\n\r\n",
-             f"DELETE /api/v1/timers/q/k HTTP/1.1\r\nHost: x\r\nAuthorization: {read_only}\r\n\r\n".encode()]
+    kinds = [("GET", "/health", ""), ("GET", "/metrics/prometheus", ""), ("GET", "/api/v1/timers/q", ""),
+             ("DELETE", "/api/v1/timers/q/k", f"Authorization: {read_only}\r\n")]
     codes: dict = {}
 
-    async def one(request: bytes) -> None:
-        reader = writer = None
+    async def one(method: str, path: str, headers: str) -> None:
+        conn: RawHttp | None = None
         while not stop.is_set():
             try:
-                if writer is None:
-                    reader, writer = await asyncio.open_connection("127.0.0.1", port)
-                writer.write(request)
-                head = await reader.readuntil(b"\r\n\r\n")
-                length = next((int(line.partition(b":")[2]) for line in head.split(b"\r\n")[1:]
-                               if line.partition(b":")[0].strip().lower() == b"content-length"), 0)
-                await reader.readexactly(length)
-                status = head[9:12].decode()
+                if conn is None:
+                    conn = await RawHttp("127.0.0.1", port).open()
+                status = str((await conn.request(method, path, headers))[0])
             except (OSError, asyncio.IncompleteReadError) as exc:
                 status = type(exc).__name__
-                if writer is not None:
-                    writer.close()
-                reader = writer = None
+                if conn is not None:
+                    conn.close()
+                conn = None
             codes[status] = codes.get(status, 0) + 1
-        if writer is not None:
-            writer.close()
+        if conn is not None:
+            conn.close()
 
     async def main() -> None:
-        await asyncio.gather(*(one(kinds[i % len(kinds)]) for i in range(CHEAP_CONNS)))
+        await asyncio.gather(*(one(*kinds[i % len(kinds)]) for i in range(CHEAP_CONNS)))
 
     asyncio.run(main())
     queue.put(codes)
