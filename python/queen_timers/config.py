@@ -19,6 +19,12 @@ class ConfigError(ValueError):
     """A QUEEN_* variable has a value the broker cannot use."""
 
 
+# The longest a sweeper may sleep: queen.schedule_timers sends NOTIFY queen_timers only for a
+# batch whose soonest timer is due within 61 s (60 s and a second for its commit); a later one is
+# found by a sweeper's next wake-up, which this bound keeps in time.
+MAX_SLEEP_CAP_MS = 60_000
+
+
 def _int(env: dict[str, str], name: str, default: int, minimum: int = 0) -> int:
     raw = env.get(name)
     if raw is None or raw == "":
@@ -192,6 +198,10 @@ class Settings:
                               f"got {settings.body_budget_bytes}")
         if settings.retention_batch > 100000:
             raise ConfigError(f"QUEEN_RETENTION_BATCH must be <= 100000, got {settings.retention_batch}")
+        if settings.sweeper_max_sleep_ms > MAX_SLEEP_CAP_MS:
+            # queen.schedule_timers wakes sleeping sweepers only for timers due within 61 s
+            raise ConfigError(f"QUEEN_SWEEPER_MAX_SLEEP_MS must be <= {MAX_SLEEP_CAP_MS}, got "
+                              f"{settings.sweeper_max_sleep_ms}")
         if settings.sweeper_min_sleep_ms > settings.sweeper_max_sleep_ms:
             raise ConfigError("QUEEN_SWEEPER_MIN_SLEEP_MS must not exceed QUEEN_SWEEPER_MAX_SLEEP_MS")
         if auth == "jwt" and not (settings.jwt_secret or settings.jwt_public_key):

@@ -18,4 +18,5 @@ INSERT INTO queen.schema_migrations (version, name) VALUES
     (13, 'staged_payloads'),
     (14, 'pop_bytes'),
     (15, 'stats_pages'),
-    (16, 'dlq_bytes');
+    (16, 'dlq_bytes'),
+    (17, 'schedule_notify');

@@ -152,6 +152,31 @@ def test_resume_notifies_the_soonest_due_time_and_pause_notifies_nothing(sdb, sw
         assert list(listen.notifies(timeout=0.5, stop_after=1)) == []
 
 
+def test_a_schedule_wakes_sweepers_only_for_a_timer_due_within_a_minute(sdb, sweeper_url):
+    # A sweeper sleeps at most 60 s (QUEEN_SWEEPER_MAX_SLEEP_MS's bound) and then reads the
+    # soonest due time again: a batch due later needs no NOTIFY, whose commit PostgreSQL serializes.
+    with psycopg.connect(sweeper_url, autocommit=True) as listen:
+        listen.execute("LISTEN queen_timers")
+        schedule(sdb, [timer("nw", "hour", 3_600_000, b"h"), timer("nw", "twomin", 120_000, b"m")])
+        assert list(listen.notifies(timeout=0.5, stop_after=1)) == []
+        schedule(sdb, [timer("nw", "day", 86_400_000, b"d"), timer("nw", "halfmin", 30_000, b"s")])
+        notes = list(listen.notifies(timeout=5, stop_after=1))
+        soonest = sdb.execute("SELECT extract(epoch FROM deliver_at)::text AS e FROM queen.timers "
+                              "WHERE timer_key = 'halfmin'").fetchone()["e"]
+        assert [n.payload for n in notes] == [soonest]
+        # a reschedule from an hour to now moves the soonest: it wakes them
+        schedule(sdb, [timer("nw", "hour", 0, b"h")])
+        assert len(list(listen.notifies(timeout=5, stop_after=1))) == 1
+
+
+def test_the_longest_sleep_is_bounded_by_the_schedules_wake_up_horizon():
+    from queen_timers.config import ConfigError, Settings
+    base = {"QUEEN_DATABASE_URL": "postgresql://localhost/x"}
+    assert Settings.from_env({**base, "QUEEN_SWEEPER_MAX_SLEEP_MS": "60000"}).sweeper_max_sleep_ms == 60000
+    with pytest.raises(ConfigError, match="QUEEN_SWEEPER_MAX_SLEEP_MS must be <= 60000"):
+        Settings.from_env({**base, "QUEEN_SWEEPER_MAX_SLEEP_MS": "60001"})
+
+
 def test_pausing_scheduling_leaves_the_fire_running(sdb, sweeper_broker):
     b = sweeper_broker()
     schedule(sdb, [timer("ps", "before", 400, b"x")])

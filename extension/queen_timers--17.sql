@@ -1161,8 +1161,14 @@ BEGIN
                                       p_tenant, v_count, l.max_pending_timers);
         END IF;
     END IF;
-    -- Wake sweepers whose next planned wake-up is later than this.
-    IF v_first_at IS NOT NULL THEN
+    -- Wake sweepers whose next planned wake-up is later than this. A sweeper
+    -- sleeps at most QUEEN_SWEEPER_MAX_SLEEP_MS (at most 60 s, config.py) and
+    -- reads the soonest deliver_at again when it wakes, so a batch due more
+    -- than 61 s from now (a second for the commit) is found in time without
+    -- one. PostgreSQL serializes the commits of transactions that NOTIFY (a
+    -- cluster-wide lock from pre-commit to the end of the commit, fsync
+    -- included): the far-future batch, the common one, sends none.
+    IF v_first_at < clock_timestamp() + interval '61 seconds' THEN
         PERFORM pg_notify('queen_timers', extract(epoch FROM v_first_at)::text);
     END IF;
     IF p_staged IS NOT NULL THEN
@@ -3077,7 +3083,8 @@ INSERT INTO queen.schema_migrations (version, name) VALUES
     (13, 'staged_payloads'),
     (14, 'pop_bytes'),
     (15, 'stats_pages'),
-    (16, 'dlq_bytes');
+    (16, 'dlq_bytes'),
+    (17, 'schedule_notify');
 
 -- generated: tables of the extension that hold user data are dumped by pg_dump
 DO $qt$
