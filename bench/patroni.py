@@ -31,7 +31,7 @@ from pathlib import Path
 import psycopg
 
 from failover import _clients, all_healthy, record_expected
-from harness import ROOT, connect, fate, log, start_broker, wait_until
+from harness import OUT, ROOT, connect, fate, log, start_broker, wait_until
 
 CELL = str(ROOT / "scripts" / "patroni-cell")
 DB = "queen"
@@ -64,8 +64,27 @@ class PatroniCell:
     def has_sync_standby(self) -> bool:
         return "Sync Standby" in self.run("list")
 
+    def why_no_failover(self, name: str) -> str:
+        """What the crashed leader's Patroni logged instead of failing over (its refusals in
+        ha.is_failover_possible), or what it did."""
+        try:
+            lines = (self.dir / f"{name}.log").read_text(errors="replace").splitlines()
+        except OSError:
+            return "no log"
+        said = [ln.split("INFO: ", 1)[-1] for ln in lines
+                if any(k in ln for k in ("Member ", "members list is empty", "Primary crashed",
+                                         "crash recovery", "starting as a primary"))]
+        return "; ".join(dict.fromkeys(said)) or "nothing about it"
+
     def destroy(self) -> None:
         subprocess.run([CELL, "stop", str(self.dir)], check=False, timeout=120)
+        # the members' Patroni and PostgreSQL logs outlive the cell: a round's verdict can be read
+        (OUT / "logs").mkdir(parents=True, exist_ok=True)
+        for name in ("m1", "m2", "etcd"):
+            try:
+                shutil.copy(self.dir / f"{name}.log", OUT / "logs" / f"patroni-{name}.log")
+            except OSError:
+                pass
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
@@ -130,6 +149,8 @@ def _round(cell: PatroniCell, url: str, brokers: list, n: int, how: str, seconds
     log(f"  round {n} ({how}): leader {before[0]} -> {after[0] if after else 'none'}; "
         f"POST status counts {out['codes']}; 503s {n503}, of them without Retry-After or JSON: {len(out['bad'])}; "
         f"slowest answer {out['slowest']:.2f} s")
+    if after is not None and after[0] == before[0]:
+        log(f"    Patroni kept {before[0]} as the leader (restarted in place); its log: {cell.why_no_failover(before[0])}")
     log(f"    kill -> new leader {'n/a' if kill_to_leader is None else f'{kill_to_leader:.2f} s'}; "
         f"kill -> first fire by the new leader {'n/a' if kill_to_fire is None else f'{kill_to_fire:.2f} s'} "
         f"(target <= {TARGET_FIRST_FIRE_S} s)")
@@ -159,7 +180,8 @@ def drill_patroni(res, seconds: float = 30) -> bool:
         url = _create_db(cell)
         versions = subprocess.run(["patroni", "--version"], capture_output=True, text=True).stdout.strip()
         log(f"  {versions}; etcd {subprocess.run(['etcd', '--version'], capture_output=True, text=True).stdout.split()[2]}; "
-            f"ttl 10, loop_wait 1, retry_timeout 3, primary_start_timeout 0, synchronous_mode on; "
+            f"ttl 10, loop_wait 1, retry_timeout 3, primary_start_timeout 0, synchronous_mode on, "
+            f"maximum_lag_on_failover 64 MB; "
             f"QUEEN_DATABASE_URL={url}")
         env = {"QUEEN_SWEEPER_LEASE_MS": 2000, "QUEEN_POOL_TIMEOUT_MS": 1000}
         brokers = [start_broker(url, f"pat{n}", **env) for n in "ab"]
