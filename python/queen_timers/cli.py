@@ -616,11 +616,17 @@ def cmd_list(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+DLQ_MAX_BYTES = 64 * 1024 * 1024  # a page's payload bytes: the process holds them twice (bytes, base64)
+
+
 def cmd_dlq(args: argparse.Namespace) -> int:
     with _db(args) as conn:
         def read():
-            rows = conn.execute("SELECT * FROM queen.list_dlq(%s, %s, %s, %s, %s)",
-                                (args.tenant, args.queue, args.group, args.limit, args.offset)).fetchall()
+            # p_max_bytes: a page of 1,000 dead letters as large as a push allowed would be
+            # gigabytes in this process (the HTTP route bounds it by QUEEN_POP_MAX_BYTES)
+            rows = conn.execute("SELECT * FROM queen.list_dlq(%s, %s, %s, %s, %s, p_max_bytes => %s)",
+                                (args.tenant, args.queue, args.group, args.limit, args.offset,
+                                 args.max_bytes)).fetchall()
             total = conn.execute("SELECT queen.count_dlq(%s, %s, %s) AS n",
                                  (args.tenant, args.queue, args.group)).fetchone()["n"]
             return rows, total
@@ -640,7 +646,9 @@ def cmd_dlq(args: argparse.Namespace) -> int:
                 "error"],
                [(e["dlqId"], e["queue"], e["partition"], e["consumerGroup"], e["transactionId"],
                  e["retryCount"], e["failedAt"], e["errorMessage"]) for e in entries])
-    print(f"({len(entries)} shown of {total})", file=sys.stderr)
+    more = args.offset + len(entries) < total
+    print(f"({len(entries)} shown of {total}{f'; more: --offset {args.offset + len(entries)}' if more else ''})",
+          file=sys.stderr)
     return EXIT_OK
 
 
@@ -758,6 +766,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--group", help="only this consumer group")
     p.add_argument("--limit", type=_positive, default=100, help="at most this many, 1..1000 (default: %(default)s)")
     p.add_argument("--offset", type=_nonnegative, default=0)
+    p.add_argument("--max-bytes", type=_positive, default=DLQ_MAX_BYTES,
+                   help="stop the page once the payloads add up to this many bytes (the first entry always "
+                        "comes; default: %(default)s)")
     return parser
 
 

@@ -311,11 +311,11 @@ def test_bulk_file_with_cancels_exits_1_when_one_is_not_ok(db, database_url, tmp
 # status and dlq
 # ---------------------------------------------------------------------------
 
-def _dead_letter(db, queue: str, key: str, tenant: str = "default") -> None:
+def _dead_letter(db, queue: str, key: str, tenant: str = "default", payload: bytes = b"\x00") -> None:
     """A timer's dead letter as the fire leaves it (in its tenant's queue), made from SQL."""
     db.execute("SELECT * FROM queen.schedule_timers(%s, ARRAY[queen.make_timer_op("
-               "'schedule', %s, %s, p_delay_ms => 60000, p_txn => %s, p_payload => '\\x00'::bytea)])",
-               (tenant, queue, key, f"dead-{key}"))
+               "'schedule', %s, %s, p_delay_ms => 60000, p_txn => %s, p_payload => %s)])",
+               (tenant, queue, key, f"dead-{key}", payload))
     claim = db.execute("SELECT claim_id FROM queen.claim_timers('cli-test', 1, 60000, now() + interval '61 s')"
                        ).fetchone()["claim_id"]
     verdict = db.execute("SELECT queen.fail_timer(%s, %s, %s, %s, 'permanent', 'test', 1) AS v",
@@ -392,6 +392,21 @@ def test_dlq_lists_dead_letters(db, database_url):
     acme = ok_json(run("dlq", "--tenant", "acme", "--json", url=database_url))
     assert acme["total"] == 1 and [m["transactionId"] for m in acme["messages"]] == ["dead-d3"]
     assert ok_json(run("dlq", "--tenant", "acme", "--queue", "alpha", "--json", url=database_url))["total"] == 0
+
+
+def test_a_dlq_page_is_bounded_by_its_payload_bytes(db, database_url):
+    for key in ("b1", "b2", "b3"):
+        _dead_letter(db, "big", key, payload=b"x" * 1000)
+    # the first entry always comes; the next would take the page past 1,500 bytes
+    page = ok_json(run("dlq", "--max-bytes", "1500", "--json", url=database_url))
+    assert page["total"] == 3 and len(page["messages"]) == 1
+    human = run("dlq", "--max-bytes", "1500", url=database_url)
+    assert "(1 shown of 3; more: --offset 1)" in human.stderr
+    rest = ok_json(run("dlq", "--max-bytes", "2000", "--offset", "1", "--json", url=database_url))
+    assert len(rest["messages"]) == 2
+    assert {m["transactionId"] for m in page["messages"] + rest["messages"]} == {"dead-b1", "dead-b2", "dead-b3"}
+    assert len(ok_json(run("dlq", "--json", url=database_url))["messages"]) == 3  # 64 MiB by default
+    assert run("dlq", "--max-bytes", "0", url=database_url).returncode != 0
 
 
 # ---------------------------------------------------------------------------
