@@ -15,6 +15,7 @@ commit, the medians per set-up and their ratios to direct.
 
 from __future__ import annotations
 
+import shutil
 import statistics
 import subprocess
 import tempfile
@@ -23,9 +24,19 @@ from pathlib import Path
 import psycopg
 
 import perf
-from harness import ROOT, free_port, log, start_broker
+from harness import OUT, ROOT, free_port, log, start_broker
 
 SETUPS = ("direct", "pooled+direct", "pooled")
+
+
+def keep_log_and_remove(folder: Path, name: str) -> None:
+    """A stopped pgbouncer's folder: its log kept as bench/out/logs/<name>.log, the rest removed."""
+    (OUT / "logs").mkdir(parents=True, exist_ok=True)
+    try:
+        shutil.copy(folder / "pgbouncer.log", OUT / "logs" / f"{name}.log")
+    except OSError:
+        pass
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 def bench_pgbouncer(cluster, url: str, res, rate: int, seconds: float, rounds: int) -> None:
@@ -64,6 +75,7 @@ def bench_pgbouncer(cluster, url: str, res, rate: int, seconds: float, rounds: i
                 p50[setup].append(figures["commit_p50"])
     finally:
         subprocess.run([script, "stop", str(folder)], check=False)
+        keep_log_and_remove(folder, "pgbouncer")
     med = {s: (statistics.median(p50[s]), statistics.median(p99[s])) for s in SETUPS}
     for s in SETUPS:
         log(f"  {s:13s}: lag p50 {med[s][0]:.1f} ms, p99 {med[s][1]:.1f} ms (median of rounds; p99 per round "

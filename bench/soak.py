@@ -49,6 +49,7 @@ import httpx
 import psycopg
 
 from harness import ROOT, Broker, Cluster, connect, free_port, log, pct, start_broker, wait_until
+from pgbouncer import keep_log_and_remove
 from scale import _rss_kb
 
 QUEUE = "soak"
@@ -659,6 +660,7 @@ def bench_soak(cluster: Cluster, url: str, res, minutes: int, rate: int, setup: 
         Soak(None, direct, res, minutes, rate, broker_url=pooled, setup="deployed", midway=switchover,
              broker_env={"QUEEN_POOL_MODE": "transaction", "QUEEN_DIRECT_DATABASE_URL": direct}).run()
     finally:
-        for folder in bouncers:
+        for n, folder in enumerate(bouncers, 1):
             subprocess.run([script, "stop", str(folder)], check=False)
+            keep_log_and_remove(folder, f"pgbouncer-soak-m{n}")
         cell.destroy()
