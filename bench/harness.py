@@ -212,6 +212,18 @@ def wait_healthy(b: Broker, timeout: float = 30) -> None:
     raise RuntimeError(f"broker {b.broker_id} did not become healthy")
 
 
+def keep_logs_and_remove(folder: Path, logs: dict[str, str]) -> None:
+    """A stopped helper's folder (a pgbouncer, a Patroni cell): each log named in `logs`
+    (its file -> its name under bench/out/logs/) kept, the folder removed."""
+    (OUT / "logs").mkdir(parents=True, exist_ok=True)
+    for name, kept in logs.items():
+        try:
+            shutil.copy(folder / name, OUT / "logs" / kept)
+        except OSError:
+            pass
+    shutil.rmtree(folder, ignore_errors=True)
+
+
 def wait_until(pred, timeout: float, interval: float = 0.05) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

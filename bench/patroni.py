@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import shutil
 import signal
 import subprocess
 import tempfile
@@ -31,7 +30,7 @@ from pathlib import Path
 import psycopg
 
 from failover import _clients, all_healthy, record_expected
-from harness import OUT, ROOT, connect, fate, log, start_broker, wait_until
+from harness import ROOT, connect, fate, keep_logs_and_remove, log, start_broker, wait_until
 
 CELL = str(ROOT / "scripts" / "patroni-cell")
 DB = "queen"
@@ -79,13 +78,7 @@ class PatroniCell:
     def destroy(self) -> None:
         subprocess.run([CELL, "stop", str(self.dir)], check=False, timeout=120)
         # the members' Patroni and PostgreSQL logs outlive the cell: a round's verdict can be read
-        (OUT / "logs").mkdir(parents=True, exist_ok=True)
-        for name in ("m1", "m2", "etcd"):
-            try:
-                shutil.copy(self.dir / f"{name}.log", OUT / "logs" / f"patroni-{name}.log")
-            except OSError:
-                pass
-        shutil.rmtree(self.dir, ignore_errors=True)
+        keep_logs_and_remove(self.dir, {f"{n}.log": f"patroni-{n}.log" for n in ("m1", "m2", "etcd")})
 
 
 def _create_db(cell: PatroniCell) -> str:

@@ -15,7 +15,6 @@ commit, the medians per set-up and their ratios to direct.
 
 from __future__ import annotations
 
-import shutil
 import statistics
 import subprocess
 import tempfile
@@ -24,31 +23,36 @@ from pathlib import Path
 import psycopg
 
 import perf
-from harness import OUT, ROOT, free_port, log, start_broker
+from harness import ROOT, free_port, keep_logs_and_remove, log, start_broker
 
 SETUPS = ("direct", "pooled+direct", "pooled")
 
 
-def keep_log_and_remove(folder: Path, name: str) -> None:
-    """A stopped pgbouncer's folder: its log kept as bench/out/logs/<name>.log, the rest removed."""
-    (OUT / "logs").mkdir(parents=True, exist_ok=True)
-    try:
-        shutil.copy(folder / "pgbouncer.log", OUT / "logs" / f"{name}.log")
-    except OSError:
-        pass
-    shutil.rmtree(folder, ignore_errors=True)
+class Pgbouncer:
+    """scripts/pgbouncer in a /tmp folder of its own, in front of a server's port (transaction
+    pooling, pool 20, reserve 5); stop() keeps its log as bench/out/logs/<name>.log."""
+
+    SCRIPT = str(ROOT / "scripts" / "pgbouncer")
+
+    def __init__(self, server_port: int | str, name: str):
+        self.name = name
+        self.folder = Path(tempfile.mkdtemp(prefix=f"queen-bench-{name}-", dir="/tmp"))
+        self.folder.chmod(0o755)
+        self.port = free_port()
+        subprocess.run([self.SCRIPT, "start", str(self.folder), str(server_port), str(self.port), "20", "5"],
+                       check=True)
+
+    def stop(self) -> None:
+        subprocess.run([self.SCRIPT, "stop", str(self.folder)], check=False)
+        keep_logs_and_remove(self.folder, {"pgbouncer.log": f"{self.name}.log"})
 
 
 def bench_pgbouncer(cluster, url: str, res, rate: int, seconds: float, rounds: int) -> None:
     log(f"\n== pgbouncer: fire lag through pgbouncer (transaction pooling) beside direct, "
         f"{rate}/s for {seconds:g} s, {rounds} rounds per set-up ==")
-    folder = Path(tempfile.mkdtemp(prefix="queen-bench-pgbouncer-", dir="/tmp"))
-    folder.chmod(0o755)
-    port = free_port()
-    script = str(ROOT / "scripts" / "pgbouncer")
-    subprocess.run([script, "start", str(folder), str(cluster.port), str(port), "20", "5"], check=True)
+    bouncer = Pgbouncer(cluster.port, "pgbouncer")
     dbname = psycopg.conninfo.conninfo_to_dict(url)["dbname"]
-    pooled_url = f"postgresql://postgres@127.0.0.1:{port}/{dbname}"
+    pooled_url = f"postgresql://postgres@127.0.0.1:{bouncer.port}/{dbname}"
     version = subprocess.run(["pgbouncer", "--version"], capture_output=True, text=True).stdout.splitlines()[0]
     log(f"  {version}, pool_mode=transaction, default_pool_size=20, ignore_startup_parameters=extra_float_digits")
     envs = {
@@ -74,8 +78,7 @@ def bench_pgbouncer(cluster, url: str, res, rate: int, seconds: float, rounds: i
                 p99[setup].append(figures["commit_p99"])
                 p50[setup].append(figures["commit_p50"])
     finally:
-        subprocess.run([script, "stop", str(folder)], check=False)
-        keep_log_and_remove(folder, "pgbouncer")
+        bouncer.stop()
     med = {s: (statistics.median(p50[s]), statistics.median(p99[s])) for s in SETUPS}
     for s in SETUPS:
         log(f"  {s:13s}: lag p50 {med[s][0]:.1f} ms, p99 {med[s][1]:.1f} ms (median of rounds; p99 per round "

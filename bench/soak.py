@@ -38,18 +38,16 @@ from __future__ import annotations
 import asyncio
 import base64
 import subprocess
-import tempfile
 import threading
 import time
 from array import array
 from datetime import datetime
-from pathlib import Path
 
 import httpx
 import psycopg
 
-from harness import ROOT, Broker, Cluster, connect, free_port, log, pct, start_broker, wait_until
-from pgbouncer import keep_log_and_remove
+from harness import Broker, Cluster, connect, log, pct, start_broker, wait_until
+from pgbouncer import Pgbouncer
 from scale import _rss_kb
 
 QUEUE = "soak"
@@ -629,20 +627,14 @@ def bench_soak(cluster: Cluster, url: str, res, minutes: int, rate: int, setup: 
         return
     from patroni import PatroniCell, _create_db
     cell, bouncers = PatroniCell(), []
-    script = str(ROOT / "scripts" / "pgbouncer")
     try:
         cell.start()
         direct = _create_db(cell)
         ports = dict(line.strip().split("=", 1) for line in (cell.dir / "ports").read_text().splitlines())
-        listen = []
         for member in ("M1", "M2"):
-            folder = Path(tempfile.mkdtemp(prefix=f"queen-bench-soak-pgb-{member.lower()}-", dir="/tmp"))
-            folder.chmod(0o755)
-            port = free_port()
-            subprocess.run([script, "start", str(folder), ports[f"{member}_PG"], str(port), "20", "5"], check=True)
-            bouncers.append(folder)
-            listen.append(f"127.0.0.1:{port}")
-        pooled = f"postgresql://postgres@{','.join(listen)}/queen?target_session_attrs=read-write&connect_timeout=2"
+            bouncers.append(Pgbouncer(ports[f"{member}_PG"], f"pgbouncer-soak-{member.lower()}"))
+        listen = ",".join(f"127.0.0.1:{b.port}" for b in bouncers)
+        pooled = f"postgresql://postgres@{listen}/queen?target_session_attrs=read-write&connect_timeout=2"
         versions = subprocess.run(["patroni", "--version"], capture_output=True, text=True).stdout.strip()
         pgb = subprocess.run(["pgbouncer", "--version"], capture_output=True, text=True).stdout.splitlines()[0]
         log(f"\n  set-up: {versions}, 2 members (synchronous_mode on), etcd; {pgb} in front of each member "
@@ -660,7 +652,6 @@ def bench_soak(cluster: Cluster, url: str, res, minutes: int, rate: int, setup: 
         Soak(None, direct, res, minutes, rate, broker_url=pooled, setup="deployed", midway=switchover,
              broker_env={"QUEEN_POOL_MODE": "transaction", "QUEEN_DIRECT_DATABASE_URL": direct}).run()
     finally:
-        for n, folder in enumerate(bouncers, 1):
-            subprocess.run([script, "stop", str(folder)], check=False)
-            keep_log_and_remove(folder, f"pgbouncer-soak-m{n}")
+        for bouncer in bouncers:
+            bouncer.stop()
         cell.destroy()
