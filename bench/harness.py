@@ -124,6 +124,16 @@ class Broker:
     def alive(self) -> bool:
         return self.proc.poll() is None
 
+    def died(self) -> str | None:
+        """None while it runs; else how it ended (a signal names what killed it: SIGKILL
+        and no log line is the OOM killer or a pkill, not the broker) and its log's end."""
+        if self.alive():
+            return None
+        rc = self.proc.returncode
+        how = f"killed by {signal.Signals(-rc).name}" if rc < 0 else f"exited with {rc}"
+        tail = self.log_path.read_text(errors="replace")[-2000:] if self.log_path.exists() else ""
+        return f"broker {self.broker_id} {how}; its log ends:\n{tail}"
+
     def kill(self, sig: int = signal.SIGKILL, timeout: float = 30) -> None:
         if self.alive():
             self.proc.send_signal(sig)

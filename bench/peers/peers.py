@@ -67,6 +67,16 @@ def run_peer(system: str, measure: str, url: str, timeout: float, **cfg) -> dict
 
 
 # ------------------------------------------------------------------ queen
+def broker_checked(broker, measure):
+    """measure(); when it fails and the broker is gone, the error says how it ended."""
+    try:
+        return measure()
+    except Exception as exc:
+        if broker is not None and (ended := broker.died()):
+            raise RuntimeError(ended) from exc
+        raise
+
+
 def queen_schedule(url, broker, admin, side, n, clients) -> dict:
     # n operations in all, as each peer schedules: the last batch holds what is left (100,000 = 390 x 256 + 160)
     ops = schedule.batches(max(1, -(-n // schedule.BATCH)))
@@ -225,8 +235,8 @@ def main() -> int:
                     for s in order:
                         if s == "queen":
                             for side in ("sql", "bare", "http"):
-                                record("schedule", f"queen {side} c{clients}",
-                                       queen_schedule(url, broker, admin, side, args.schedule_n, clients))
+                                record("schedule", f"queen {side} c{clients}", broker_checked(
+                                    broker, lambda: queen_schedule(url, broker, admin, side, args.schedule_n, clients)))
                         else:
                             record("schedule", f"{s} c{clients}", run_peer(s, "schedule", urls[s], 600,
                                    n=args.schedule_n, batch=256, clients=clients))
@@ -234,7 +244,8 @@ def main() -> int:
                 for s in order:
                     if s == "queen":
                         for side in ("cancel_timer", "bare", "http"):
-                            record("cancel", f"queen {side}", queen_cancel(admin, client, broker, side, args.cancel_n))
+                            record("cancel", f"queen {side}", broker_checked(
+                                broker, lambda: queen_cancel(admin, client, broker, side, args.cancel_n)))
                     else:
                         record("cancel", s, run_peer(s, "cancel", urls[s], 900, n=args.cancel_n))
             if "drain" in only and r < args.slow_rounds:
