@@ -567,12 +567,20 @@ class JsonNotUnicode(ValueError):
     """A string of the text is a lone surrogate escape: JSON, but no Unicode."""
 
 
+class JsonNumberRange(ValueError):
+    """A number of the text is beyond a 64-bit float (about 1.8e308): JSON, which
+    sets no limit, but no value this broker can hold (orjson reads an integer past
+    64 bits as a float)."""
+
+
 def _loads(raw: bytes) -> object:
     try:
         return orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
         if "surrogate in string" in str(exc):  # orjson's words for a lone \uD800-\uDFFF escape
             raise JsonNotUnicode(str(exc)) from None
+        if "infinity when parsed as double" in str(exc):  # orjson's words for 1e400 or 400 digits
+            raise JsonNumberRange(str(exc)) from None
         raise
 
 
@@ -729,6 +737,9 @@ async def read_json(request: Request, *, empty: object = ..., unicode: bool = Fa
         except JsonNotUnicode:
             raise bad_request("the body holds a string that is not valid Unicode "
                               "(a lone surrogate escape)") from None
+        except JsonNumberRange:
+            raise bad_request("the body holds a number beyond the range of a 64-bit float "
+                              "(about 1.8e308)") from None
         except ValueError:
             raise bad_request("the body is not valid JSON") from None
     except ApiError:

@@ -533,6 +533,33 @@ def test_log_routes_refuse_names_over_their_limits(client, db, method, path, bod
     assert r.status_code == 201 and r.json()[0]["status"] == "queued", r.text
 
 
+# JSON sets no limit on a number; past a 64-bit float's range (orjson reads a longer integer as a
+# float) there is no value to hold: a 400 that says so, not "not valid JSON"
+BIG = "1" + "0" * 400
+NUMBER_RANGE = [
+    ("timer delayMs", "/api/v1/timers",
+     '{"operations":[{"op":"schedule","queue":"q","timerKey":"k","delayMs":%s,"txn":"t","payload":"eA=="}]}' % BIG),
+    ("timer 1e400", "/api/v1/timers",
+     '{"operations":[{"op":"schedule","queue":"q","timerKey":"k","delayMs":-1e400,"txn":"t","payload":"eA=="}]}'),
+    ("push payload", "/api/v1/push", '{"items":[{"queue":"q","payload":{"n":%s}}]}' % BIG),
+    # over 64 KB: read by the streaming scanner, item by item
+    ("push, scanned", "/api/v1/push",
+     '{"items":[' + ",".join(['{"queue":"q","payload":"%s"}' % ("x" * 1000)] * 80)
+     + ',{"queue":"q","payload":[%s]}]}' % BIG),
+]
+
+
+@pytest.mark.parametrize("name, path, text", NUMBER_RANGE, ids=[n[0] for n in NUMBER_RANGE])
+def test_a_number_beyond_a_float_is_a_400_that_names_it(client, db, name, path, text):
+    r = client.post(path, content=text.encode(), headers={"content-type": "application/json"})
+    answer = assert_json_error(r, 400, "timers_bad_request")
+    assert answer["detail"] == "the body holds a number beyond the range of a 64-bit float (about 1.8e308)", answer
+    assert written(db) == NOTHING
+    # a large number within range is still a value (the payload keeps it as a float)
+    r = client.post("/api/v1/push", json={"items": [{"queue": "q", "payload": {"n": 1e300}}]})
+    assert r.status_code == 201, r.text
+
+
 def test_a_huge_random_consumer_group_is_a_json_400_not_a_503(client, db):
     # random hex does not compress: 12 KB reached the cursors' btree and failed there as a
     # capacity error (54000 -> 503 "the database cannot answer right now")
