@@ -24,6 +24,7 @@ from harness import OUT, Cluster, Results, connect, explain_rolled_back, load_ti
 import cancel  # noqa: E402
 import conns  # noqa: E402
 import drills  # noqa: E402
+import fairness  # noqa: E402
 import failover  # noqa: E402
 import mem  # noqa: E402
 import patroni  # noqa: E402
@@ -34,8 +35,8 @@ import scale  # noqa: E402
 import schedule  # noqa: E402
 import soak  # noqa: E402
 
-SECTIONS = ("fire", "scale", "schedule", "lag", "lag2", "growth", "profile", "retention", "cancel", "mem", "conns", "pgbouncer", "rss", "kill",
-            "pgrestart", "pool", "failover", "patroni")
+SECTIONS = ("fire", "scale", "schedule", "lag", "lag2", "growth", "profile", "retention", "cancel", "mem", "conns", "fairness",
+            "pgbouncer", "rss", "kill", "pgrestart", "pool", "failover", "patroni")
 EXTRA = ("soak",)  # only when named in --only: an hour by default
 
 
@@ -246,6 +247,8 @@ def main() -> int:
     ap.add_argument("--conns-delete-rate", type=float, default=200, help="conns: the other tenant's DELETEs per second")
     ap.add_argument("--conns-cheap-clients", type=int, default=2,
                     help="conns: processes of 64 connections sending requests answered at once")
+    ap.add_argument("--fairness-backlogs", default="20000,100000,1000000",
+                    help="fairness: sizes of tenant A's backlog due at one instant, comma list")
     ap.add_argument("--pgb-rate", type=int, default=1000, help="pgbouncer: timers/s becoming due")
     ap.add_argument("--pgb-seconds", type=float, default=20, help="pgbouncer: seconds of load per round")
     ap.add_argument("--pgb-rounds", type=int, default=2, help="pgbouncer: rounds per set-up, alternating")
@@ -266,6 +269,7 @@ def main() -> int:
         args.mem_clients, args.mem_size_mb, args.mem_settle_s = 2, 40, 5
         args.conns_sockets, args.conns_slow, args.conns_seconds = 1500, 600, 4
         args.pgb_seconds, args.pgb_rounds = 5, 1
+        args.fairness_backlogs = "5000"
         args.patroni_seconds = 20
         args.failover_seconds = 10
         args.retention_n, args.retention_backlog = 5000, 100000
@@ -331,6 +335,8 @@ def main() -> int:
                 args.mem_settle_s, unread_s=args.mem_unread_s)
         section("conns", conns.bench_conns, url, res, args.conns_sockets, args.conns_slow, args.conns_seconds,
                 args.conns_delete_rate, args.conns_cheap_clients)
+        section("fairness", fairness.bench_fairness, url, res,
+                [int(x) for x in args.fairness_backlogs.split(",") if x.strip()])
         section("pgbouncer", pgbouncer.bench_pgbouncer, cluster, url, res, args.pgb_rate, args.pgb_seconds,
                 args.pgb_rounds)
         section("rss", scale.bench_rss, cluster, url, res, args.rss_n, args.rss_zstd_n, args.rss_zstd_bytes,

@@ -1,0 +1,68 @@
+"""Section `fairness`: how long one tenant's backlog of due timers delays another tenant's
+timer (a measurement of a known limit, not a target; docs/sweeper.md, "Order across tenants").
+
+Per size in --fairness-backlogs: tenant `tenant-a` holds n timers due at one instant T (inserted
+straight into queen.timers, as bench.harness.load_timers does), tenant `tenant-b` schedules one
+through queen.schedule_timers due 100 ms after T. One broker at its defaults starts before T.
+Printed: how long the broker took to fire A's backlog, and B's lag: the commit of B's frame
+minus B's deliver_at, both in the database (track_commit_timestamp).
+
+The fire takes due timers in deliver_at order whichever tenant they belong to (one index on
+deliver_at; claims with FOR UPDATE SKIP LOCKED), so B's timer waits for every one of A's that
+fell due before it.
+"""
+
+from __future__ import annotations
+
+import time
+
+from harness import Results, connect, log, start_broker
+
+LEAD_S = 6.0  # A's backlog falls due this long (plus 1 s per 100,000) after it is chosen: the broker is up by then
+B_AFTER_MS = 100
+
+
+def bench_fairness(url: str, res: Results, backlogs: list[int]) -> None:
+    log(f"\n== fairness: tenant A's backlog of n timers due at one instant, tenant B's one timer "
+        f"due {B_AFTER_MS} ms later; one broker ==")
+    rows = []
+    with connect(url) as c:
+        for n in backlogs:
+            c.execute("TRUNCATE queen.timers, queen.messages")
+            c.execute("SELECT queen.ensure_partition('tenant-a', 'fair-a', 'Default')")
+            # one instant T for A, chosen first: inserting a million rows takes seconds
+            due = c.execute("SELECT clock_timestamp() + make_interval(secs => %s)",
+                            (LEAD_S + n / 100_000,)).fetchone()[0]
+            c.execute("""
+                INSERT INTO queen.timers (tenant, queue, timer_key, partition, deliver_at, txn, message_id, payload)
+                SELECT 'tenant-a', 'fair-a', 'a-' || g, 'Default', %s, 'a-' || g, gen_random_uuid(), '\\x7b7d'::bytea
+                  FROM generate_series(1, %s) g""", (due, n))
+            c.execute("SELECT queen.bump_tenant_usage('tenant-a', %s, 0)", (n,))
+            b_due = c.execute(f"""
+                SELECT deliver_at FROM queen.schedule_timers('tenant-b', ARRAY[ROW(
+                    'schedule', 'fair-b', 'b-1',
+                    (extract(epoch FROM %s::timestamptz + interval '{B_AFTER_MS} milliseconds' - now()) * 1000)::bigint,
+                    'b-1', '\\x7b7d'::bytea, NULL, NULL, NULL, NULL)::queen.timer_op])""", (due,)).fetchone()[0]
+            broker = start_broker(url, name="fairness")
+            try:
+                if c.execute("SELECT clock_timestamp() >= %s", (due,)).fetchone()[0]:
+                    raise RuntimeError("the broker was not up before the backlog fell due")
+                t0 = time.monotonic()
+                while time.monotonic() - t0 < LEAD_S + 300:
+                    if c.execute("SELECT count(*) FROM queen.timers").fetchone()[0] == 0:
+                        break
+                    time.sleep(0.2)
+                else:
+                    raise RuntimeError(f"the backlog of {n} was not fired within {LEAD_S + 300:.0f} s")
+            finally:
+                broker.stop()
+            a_secs, b_lag = c.execute("""
+                SELECT extract(epoch FROM max(pg_xact_commit_timestamp(xmin)) FILTER (WHERE transaction_id LIKE 'a-%%')
+                                          - min(pg_xact_commit_timestamp(xmin)) FILTER (WHERE transaction_id LIKE 'a-%%')),
+                       extract(epoch FROM max(pg_xact_commit_timestamp(xmin)) FILTER (WHERE transaction_id = 'b-1')
+                                          - %s) * 1000
+                  FROM queen.messages""", (b_due,)).fetchone()
+            rows.append({"backlog": n, "a_fire_s": float(a_secs), "b_lag_ms": float(b_lag)})
+            log(f"  A's backlog {n:>9,}: fired in {float(a_secs):6.2f} s; B's timer (due {B_AFTER_MS} ms after A's) "
+                f"fired {float(b_lag):8.1f} ms after its deliver_at")
+    res.put("fairness", rows=rows)
