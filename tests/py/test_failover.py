@@ -408,7 +408,10 @@ def test_a_switchover_under_a_pgbouncer_per_member_moves_the_broker_to_the_new_p
             # DELETE (the direct lane) and the log routes meet no standby either
             assert c.delete("/api/v1/timers/fo/pgt0").json()["status"] == "cancelled"
             assert c.post("/api/v1/push", json={"items": [{"queue": "fo-log", "payload": {"a": 1}}]}).status_code == 201
-        assert "unexpected" not in b.log(), b.log()[-3000:]
+        # no request met the JSON 500's path (the sweeper's own connection may well have been
+        # cut by the swap: psycopg says "closed the connection unexpectedly", and it reconnects)
+        log = b.log()
+        assert not any(s in log for s in ("unexpected error", "unexpected database error", "Traceback")), log[-3000:]
         with connect(pair.primary) as prim:
             prim.execute("DELETE FROM queen.timers")
     finally:
