@@ -2,7 +2,7 @@
 timer (a measurement of a known limit, not a target; docs/sweeper.md, "Order across tenants").
 
 Per size in --fairness-backlogs: tenant `tenant-a` holds n timers due at one instant T (inserted
-straight into queen.timers, as bench.harness.load_timers does), tenant `tenant-b` schedules one
+straight into queen.timers by bench.harness.load_timers), tenant `tenant-b` schedules one
 through queen.schedule_timers due 100 ms after T. One broker at its defaults starts before T.
 Printed: how long the broker took to fire A's backlog, and B's lag: the commit of B's frame
 minus B's deliver_at, both in the database (track_commit_timestamp).
@@ -14,9 +14,7 @@ fell due before it.
 
 from __future__ import annotations
 
-import time
-
-from harness import Results, connect, log, start_broker
+from harness import Results, connect, load_timers, log, start_broker, wait_until
 
 LEAD_S = 6.0  # A's backlog falls due this long (plus 1 s per 100,000) after it is chosen: the broker is up by then
 B_AFTER_MS = 100
@@ -29,15 +27,11 @@ def bench_fairness(url: str, res: Results, backlogs: list[int]) -> None:
     with connect(url) as c:
         for n in backlogs:
             c.execute("TRUNCATE queen.timers, queen.messages")
-            c.execute("SELECT queen.ensure_partition('tenant-a', 'fair-a', 'Default')")
             # one instant T for A, chosen first: inserting a million rows takes seconds
             due = c.execute("SELECT clock_timestamp() + make_interval(secs => %s)",
                             (LEAD_S + n / 100_000,)).fetchone()[0]
-            c.execute("""
-                INSERT INTO queen.timers (tenant, queue, timer_key, partition, deliver_at, txn, message_id, payload)
-                SELECT 'tenant-a', 'fair-a', 'a-' || g, 'Default', %s, 'a-' || g, gen_random_uuid(), '\\x7b7d'::bytea
-                  FROM generate_series(1, %s) g""", (due, n))
-            c.execute("SELECT queen.bump_tenant_usage('tenant-a', %s, 0)", (n,))
+            load_timers(c, queue="fair-a", n=n, prefix="a", tenant="tenant-a", payload_bytes=2, expected=False,
+                        deliver_sql=f"'{due.isoformat()}'::timestamptz")
             b_due = c.execute(f"""
                 SELECT deliver_at FROM queen.schedule_timers('tenant-b', ARRAY[ROW(
                     'schedule', 'fair-b', 'b-1',
@@ -47,12 +41,8 @@ def bench_fairness(url: str, res: Results, backlogs: list[int]) -> None:
             try:
                 if c.execute("SELECT clock_timestamp() >= %s", (due,)).fetchone()[0]:
                     raise RuntimeError("the broker was not up before the backlog fell due")
-                t0 = time.monotonic()
-                while time.monotonic() - t0 < LEAD_S + 300:
-                    if c.execute("SELECT count(*) FROM queen.timers").fetchone()[0] == 0:
-                        break
-                    time.sleep(0.2)
-                else:
+                if not wait_until(lambda: c.execute("SELECT count(*) FROM queen.timers").fetchone()[0] == 0,
+                                  LEAD_S + 300, interval=0.2):
                     raise RuntimeError(f"the backlog of {n} was not fired within {LEAD_S + 300:.0f} s")
             finally:
                 broker.stop()

@@ -254,19 +254,19 @@ def connect(url: str) -> psycopg.Connection:
 
 def load_timers(conn: psycopg.Connection, *, queue: str, n: int, prefix: str,
                 deliver_sql: str = "now() - interval '1 second'", payload_bytes: int = 64,
-                start: int = 1, expected: bool = True) -> None:
+                start: int = 1, expected: bool = True, tenant: str = "default") -> None:
     """Insert n timers (keys prefix-i, txn prefix-i) straight into queen.timers.
 
     deliver_sql may use `g` (1..n) to spread deliver times.
     """
-    conn.execute("SELECT queen.ensure_partition('default', %s, 'Default')", (queue,))
+    conn.execute("SELECT queen.ensure_partition(%s, %s, 'Default')", (tenant, queue))
     conn.execute(f"""
         INSERT INTO queen.timers (tenant, queue, timer_key, partition, deliver_at, txn, message_id, payload)
-        SELECT 'default', %(q)s, %(p)s || '-' || g, 'Default', {deliver_sql}, %(p)s || '-' || g,
+        SELECT %(t)s, %(q)s, %(p)s || '-' || g, 'Default', {deliver_sql}, %(p)s || '-' || g,
                gen_random_uuid(), convert_to(rpad('{{"n":' || g || '}}', %(pb)s, ' '), 'UTF8')
           FROM generate_series(%(s)s::bigint, %(e)s::bigint) g""",
-                 {"q": queue, "p": prefix, "pb": payload_bytes, "s": start, "e": start + n - 1})
-    conn.execute("SELECT queen.bump_tenant_usage('default', %s, 0)", (n,))
+                 {"t": tenant, "q": queue, "p": prefix, "pb": payload_bytes, "s": start, "e": start + n - 1})
+    conn.execute("SELECT queen.bump_tenant_usage(%s, %s, 0)", (tenant, n))
     if expected:
         conn.execute("""INSERT INTO bench.expected (txn, queue, deliver_at)
                         SELECT txn, queue, deliver_at FROM queen.timers
