@@ -19,4 +19,5 @@ INSERT INTO queen.schema_migrations (version, name) VALUES
     (14, 'pop_bytes'),
     (15, 'stats_pages'),
     (16, 'dlq_bytes'),
-    (17, 'schedule_notify');
+    (17, 'schedule_notify'),
+    (18, 'fire_fair_share');

@@ -253,3 +253,31 @@ def test_a_mixed_batch_takes_the_counter_row_last(db, sessions):
     usage = db.execute("SELECT queen.get_pending_timers('acme') AS pending_timers, billed_messages "
                        "FROM queen.tenant_usage WHERE tenant = 'acme'").fetchone()
     assert usage == {"pending_timers": 1, "billed_messages": 4}
+
+
+def test_two_fair_batches_take_disjoint_rows(db, sessions):
+    # Behind a backlog (a full batch, every row due 1 s ago: over p_fair_after_ms) a batch
+    # adds the share of each tenant it left out; a second session passes over the rows the
+    # first holds, never waits.
+    first, second = sessions
+    second.autocommit = False
+    for tenant in ("acme", "globex"):
+        rows = db.execute("""
+            SELECT status FROM queen.schedule_timers(%s, (
+                SELECT array_agg(ROW('schedule', 'races', 'k' || g, -1000, 'txn-k' || g, '\\x6869'::bytea,
+                                     NULL, NULL, NULL, NULL)::queen.timer_op) FROM generate_series(1, 6) g))""",
+                          (tenant,)).fetchall()
+        assert [r["status"] for r in rows] == ["scheduled"] * 6
+        # the log partition exists first: its creation by the first fire would hold the second
+        db.execute("SELECT queen.ensure_partition(%s, 'races', 'Default')", (tenant,))
+    second.execute("SET lock_timeout = '10s'")
+    a = first.execute("SELECT tenant, timer_key FROM queen.fire_due_timers(4)").fetchall()  # not committed
+    b = second.execute("SELECT tenant, timer_key FROM queen.fire_due_timers(100)").fetchall()
+    # acme's 4 oldest, and globex, left out, its share (4 / 2 tenants)
+    assert sorted(t for t, _ in a) == ["acme"] * 4 + ["globex"] * 2
+    assert len(b) == 6 and not set(a) & set(b)
+    first.commit()
+    second.commit()
+    assert db.execute("SELECT count(*) AS n FROM queen.timers").fetchone()["n"] == 0
+    assert db.execute("SELECT count(*) AS n, count(DISTINCT transaction_id || partition_id::text) AS d"
+                      " FROM queen.messages").fetchone() == {"n": 12, "d": 12}

@@ -600,6 +600,9 @@ CREATE INDEX timers_deliver_at_idx ON queen.timers (deliver_at);
 -- The leased path's scan (claim_timers p_zstd_only): a backlog of plain
 -- due rows must not be walked to find the few zstd ones.
 CREATE INDEX timers_zstd_deliver_at_idx ON queen.timers (deliver_at) WHERE payload_zstd;
+-- The fast path's fair share (queen.fire_due_batch): each tenant's due rows
+-- in expiry order, found without walking another tenant's backlog.
+CREATE INDEX timers_tenant_deliver_at_idx ON queen.timers (tenant, deliver_at) WHERE NOT payload_zstd;
 
 -- The payloads of a large batch, streamed in by COPY in the transaction
 -- that then calls schedule_timers(p_staged => batch): the batch's ops then
@@ -1514,12 +1517,54 @@ BEGIN
 END
 $$;
 
--- One batch of the fast path, as one statement, with no subtransaction:
--- the due rows (expiry order, SKIP LOCKED) deleted and their frames
--- appended, answered as fire results. A txn already in its partition
--- raises unique_violation (nothing of the batch stays). Internal to
--- queen.fire_due_timers.
-CREATE FUNCTION queen.fire_due_batch(p_limit integer, p_now timestamptz)
+-- The tenants, other than p_except, with rows due for the fast path (no
+-- zstd), the one whose oldest due row is oldest first, at most p_limit of
+-- them. The candidates are the tenants whose usage row counts pending
+-- timers (every timer is scheduled through queen.schedule_timers, which
+-- counts it there; the count folds its decrements about once a second, so
+-- it is never below the true one); each is probed with one descent of
+-- timers_tenant_deliver_at_idx, so no tenant's backlog is walked.
+-- Internal to queen.fire_due_batch.
+CREATE FUNCTION queen.find_due_tenants(p_now timestamptz, p_limit integer, p_except text[] DEFAULT NULL)
+RETURNS text[]
+LANGUAGE plpgsql STABLE AS $$
+BEGIN
+    -- PL/pgSQL, not SQL: its plan is cached (a SQL function is planned at every call)
+    RETURN (
+        SELECT array_agg(d.tenant ORDER BY d.first, d.tenant)
+          FROM (SELECT u.tenant, o.first
+                  FROM queen.tenant_usage u
+                 CROSS JOIN LATERAL (
+                        SELECT t.deliver_at AS first
+                          FROM queen.timers t
+                         -- tenant = u.tenant, as row comparisons: an equality would let
+                         -- the planner walk timers_deliver_at_idx filtering on the tenant
+                         -- (all of another tenant's backlog); (tenant, deliver_at) order
+                         -- only timers_tenant_deliver_at_idx gives, bounded on both sides
+                         WHERE (t.tenant, t.deliver_at) >= (u.tenant, '-infinity'::timestamptz)
+                           AND (t.tenant, t.deliver_at) <= (u.tenant, coalesce(p_now, now()))
+                           AND NOT t.payload_zstd
+                         ORDER BY t.tenant, t.deliver_at
+                         LIMIT 1) o
+                 WHERE u.pending_timers > 0
+                   AND u.tenant <> ALL (coalesce(p_except, '{}'))
+                 ORDER BY o.first, u.tenant
+                 LIMIT greatest(p_limit, 0)) d
+    );
+END
+$$;
+
+-- The fast path's one statement, with no subtransaction: due rows (expiry
+-- order, SKIP LOCKED) deleted and their frames appended, answered as fire
+-- results. Either the p_limit oldest due rows of the cell (p_tenants NULL)
+-- or the p_share oldest due rows of each tenant of p_tenants. A txn already
+-- in its partition raises unique_violation (nothing of the batch stays).
+-- Internal to queen.fire_due_batch.
+CREATE FUNCTION queen.fire_due_rows(
+    p_limit   integer,
+    p_now     timestamptz,
+    p_tenants text[]  DEFAULT NULL,
+    p_share   integer DEFAULT NULL)
 RETURNS queen.fire_result[]
 LANGUAGE plpgsql AS $$
 DECLARE
@@ -1527,14 +1572,29 @@ DECLARE
     v_out queen.fire_result[];
 BEGIN
     WITH due AS (
-        SELECT t.ctid AS row_id
-          FROM queen.timers t
-         WHERE t.deliver_at <= v_now
-           AND NOT t.payload_zstd
-           AND NOT queen.timer_is_claimed(t.lease_until, v_now)
-         ORDER BY t.deliver_at
-         LIMIT greatest(p_limit, 0)
-           FOR UPDATE SKIP LOCKED
+        SELECT o.row_id
+          FROM (SELECT t.ctid AS row_id
+                  FROM queen.timers t
+                 WHERE p_tenants IS NULL
+                   AND t.deliver_at <= v_now
+                   AND NOT t.payload_zstd
+                   AND NOT queen.timer_is_claimed(t.lease_until, v_now)
+                 ORDER BY t.deliver_at
+                 LIMIT greatest(p_limit, 0)
+                   FOR UPDATE SKIP LOCKED) o
+        UNION ALL
+        SELECT s.row_id
+          FROM unnest(p_tenants) AS tn(tenant)
+         CROSS JOIN LATERAL (
+                SELECT t.ctid AS row_id
+                  FROM queen.timers t
+                 WHERE (t.tenant, t.deliver_at) >= (tn.tenant, '-infinity'::timestamptz)  -- see find_due_tenants
+                   AND (t.tenant, t.deliver_at) <= (tn.tenant, v_now)
+                   AND NOT t.payload_zstd
+                   AND NOT queen.timer_is_claimed(t.lease_until, v_now)
+                 ORDER BY t.tenant, t.deliver_at
+                 LIMIT greatest(p_share, 0)
+                   FOR UPDATE SKIP LOCKED) s
     ), gone AS (
         -- by the locked row's ctid: one TID fetch per row. A join on the key
         -- let the cached plan hash the whole table (a seq scan of every
@@ -1568,22 +1628,70 @@ BEGIN
 END
 $$;
 
+-- One batch of the fast path: the p_limit oldest due rows of the cell
+-- (queen.fire_due_rows). When that batch is full and its oldest row was due
+-- p_fair_after_ms ago or more (a backlog), expiry order alone would hold
+-- every other tenant's due timers until the backlog is fired (a million of
+-- one tenant's timers due at 09:00 held another tenant's timer due at
+-- 09:00:00.1 for 27 s). So each tenant with due rows that the batch left
+-- out also gets, in the same transaction, up to p_limit / (the number of
+-- tenants with due rows) of its own oldest (at most p_limit such tenants,
+-- the longest waiting first): a batch holds at most 2 * p_limit rows.
+-- p_fair_after_ms NULL: expiry order only. No subtransaction; a duplicate
+-- txn raises unique_violation. Answers in expiry order. Internal to
+-- queen.fire_due_timers.
+CREATE FUNCTION queen.fire_due_batch(
+    p_limit          integer,
+    p_now            timestamptz,
+    p_fair_after_ms  integer DEFAULT 100)
+RETURNS queen.fire_result[]
+LANGUAGE plpgsql AS $$
+DECLARE
+    v_now     timestamptz := coalesce(p_now, now());
+    v_out     queen.fire_result[];
+    v_in      text[];
+    v_tenants text[];
+    v_more    queen.fire_result[];
+BEGIN
+    v_out := queen.fire_due_rows(p_limit, v_now);
+    IF p_fair_after_ms IS NULL OR coalesce(cardinality(v_out), 0) < greatest(p_limit, 1)
+       OR v_out[1].deliver_at > v_now - greatest(p_fair_after_ms, 0) * interval '1 millisecond' THEN
+        RETURN v_out;  -- every due row it could take, or the fire keeps up
+    END IF;
+    SELECT array_agg(DISTINCT o.tenant) INTO v_in FROM unnest(v_out) o;
+    v_tenants := queen.find_due_tenants(v_now, p_limit, v_in);
+    IF v_tenants IS NULL THEN
+        RETURN v_out;
+    END IF;
+    v_more := queen.fire_due_rows(p_limit, v_now, v_tenants,
+                                  greatest(1, p_limit / (cardinality(v_tenants) + cardinality(v_in))));
+    IF v_more IS NOT NULL THEN
+        SELECT array_agg(o ORDER BY o.deliver_at, o.message_id) INTO v_out FROM unnest(v_out || v_more) o;
+    END IF;
+    RETURN v_out;
+END
+$$;
+
 -- Claim and fire in one transaction: the row lock is the claim, so no
 -- lease is needed and a broker dying mid-call loses nothing (the
 -- transaction rolls back). Used for every due timer whose frame needs
--- nothing from the broker (no zstd to inflate). Expiry order, SKIP LOCKED.
+-- nothing from the broker (no zstd to inflate). Expiry order, SKIP LOCKED;
+-- behind a backlog (a full batch whose oldest row was due p_fair_after_ms
+-- ago or more) the tenants it left out get their share of the batch too
+-- (queen.fire_due_batch).
 -- The common case is one statement with a plain INSERT (no join back from
 -- the log, no ON CONFLICT arbiter: together they halved the fire rate),
--- queen.fire_due_batch. A txn already in its partition raises
+-- queen.fire_due_rows. A txn already in its partition raises
 -- unique_violation there. With p_redo_duplicates (the default) the batch
--- runs in a subtransaction and is redone through append_timer_frames,
--- which answers 'duplicate'. The sweeper passes false: no subtransaction
+-- runs in a subtransaction and is redone (in expiry order) through
+-- append_timer_frames, which answers 'duplicate'. The sweeper passes false: no subtransaction
 -- on its common path; a duplicate fails its call (which rolls back whole)
 -- and it calls again with true.
 CREATE FUNCTION queen.fire_due_timers(
     p_limit integer     DEFAULT 100,
     p_now   timestamptz DEFAULT NULL,
-    p_redo_duplicates boolean DEFAULT true)
+    p_redo_duplicates boolean DEFAULT true,
+    p_fair_after_ms integer DEFAULT 100)
 RETURNS SETOF queen.fire_result
 LANGUAGE plpgsql AS $$
 DECLARE
@@ -1595,10 +1703,10 @@ BEGIN
         RETURN;
     END IF;
     IF NOT coalesce(p_redo_duplicates, true) THEN
-        v_out := queen.fire_due_batch(p_limit, v_now);
+        v_out := queen.fire_due_batch(p_limit, v_now, p_fair_after_ms);
     ELSE
         BEGIN
-            v_out := queen.fire_due_batch(p_limit, v_now);
+            v_out := queen.fire_due_batch(p_limit, v_now, p_fair_after_ms);
         EXCEPTION WHEN unique_violation THEN
             v_out := NULL;
             WITH due AS (
@@ -3084,7 +3192,8 @@ INSERT INTO queen.schema_migrations (version, name) VALUES
     (14, 'pop_bytes'),
     (15, 'stats_pages'),
     (16, 'dlq_bytes'),
-    (17, 'schedule_notify');
+    (17, 'schedule_notify'),
+    (18, 'fire_fair_share');
 
 -- generated: tables of the extension that hold user data are dumped by pg_dump
 DO $qt$

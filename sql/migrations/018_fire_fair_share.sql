@@ -1,0 +1,244 @@
+-- Migration 018: the tenants with due timers share the fast path's batch
+-- behind a backlog. The fire took due timers in deliver_at order across
+-- tenants, so one tenant's backlog held every other tenant's timers until
+-- it was fired (1,000,000 of one tenant's timers due at once: another
+-- tenant's timer due 100 ms after them fired 26.6 s late on one broker).
+-- New: the partial index timers_tenant_deliver_at_idx (built here with a
+-- plain CREATE INDEX, which holds writes to queen.timers while it builds:
+-- on a large table, build it first with CREATE INDEX CONCURRENTLY under the
+-- same name and definition, and this statement is skipped), queen.find_due_tenants,
+-- queen.fire_due_rows (the one statement of the old queen.fire_due_batch,
+-- with a per-tenant branch); queen.fire_due_batch and queen.fire_due_timers
+-- gain a trailing p_fair_after_ms (the old signatures are dropped and the
+-- functions created anew). The text equals sql/schema/30_timers.sql and
+-- sql/schema/40_fire.sql.
+
+-- The fast path's fair share (queen.fire_due_batch): each tenant's due rows
+-- in expiry order, found without walking another tenant's backlog.
+CREATE INDEX IF NOT EXISTS timers_tenant_deliver_at_idx ON queen.timers (tenant, deliver_at) WHERE NOT payload_zstd;
+
+DROP FUNCTION queen.fire_due_timers(integer, timestamptz, boolean);
+DROP FUNCTION queen.fire_due_batch(integer, timestamptz);
+
+-- The tenants, other than p_except, with rows due for the fast path (no
+-- zstd), the one whose oldest due row is oldest first, at most p_limit of
+-- them. The candidates are the tenants whose usage row counts pending
+-- timers (every timer is scheduled through queen.schedule_timers, which
+-- counts it there; the count folds its decrements about once a second, so
+-- it is never below the true one); each is probed with one descent of
+-- timers_tenant_deliver_at_idx, so no tenant's backlog is walked.
+-- Internal to queen.fire_due_batch.
+CREATE FUNCTION queen.find_due_tenants(p_now timestamptz, p_limit integer, p_except text[] DEFAULT NULL)
+RETURNS text[]
+LANGUAGE plpgsql STABLE AS $$
+BEGIN
+    -- PL/pgSQL, not SQL: its plan is cached (a SQL function is planned at every call)
+    RETURN (
+        SELECT array_agg(d.tenant ORDER BY d.first, d.tenant)
+          FROM (SELECT u.tenant, o.first
+                  FROM queen.tenant_usage u
+                 CROSS JOIN LATERAL (
+                        SELECT t.deliver_at AS first
+                          FROM queen.timers t
+                         -- tenant = u.tenant, as row comparisons: an equality would let
+                         -- the planner walk timers_deliver_at_idx filtering on the tenant
+                         -- (all of another tenant's backlog); (tenant, deliver_at) order
+                         -- only timers_tenant_deliver_at_idx gives, bounded on both sides
+                         WHERE (t.tenant, t.deliver_at) >= (u.tenant, '-infinity'::timestamptz)
+                           AND (t.tenant, t.deliver_at) <= (u.tenant, coalesce(p_now, now()))
+                           AND NOT t.payload_zstd
+                         ORDER BY t.tenant, t.deliver_at
+                         LIMIT 1) o
+                 WHERE u.pending_timers > 0
+                   AND u.tenant <> ALL (coalesce(p_except, '{}'))
+                 ORDER BY o.first, u.tenant
+                 LIMIT greatest(p_limit, 0)) d
+    );
+END
+$$;
+
+-- The fast path's one statement, with no subtransaction: due rows (expiry
+-- order, SKIP LOCKED) deleted and their frames appended, answered as fire
+-- results. Either the p_limit oldest due rows of the cell (p_tenants NULL)
+-- or the p_share oldest due rows of each tenant of p_tenants. A txn already
+-- in its partition raises unique_violation (nothing of the batch stays).
+-- Internal to queen.fire_due_batch.
+CREATE FUNCTION queen.fire_due_rows(
+    p_limit   integer,
+    p_now     timestamptz,
+    p_tenants text[]  DEFAULT NULL,
+    p_share   integer DEFAULT NULL)
+RETURNS queen.fire_result[]
+LANGUAGE plpgsql AS $$
+DECLARE
+    v_now timestamptz := coalesce(p_now, now());
+    v_out queen.fire_result[];
+BEGIN
+    WITH due AS (
+        SELECT o.row_id
+          FROM (SELECT t.ctid AS row_id
+                  FROM queen.timers t
+                 WHERE p_tenants IS NULL
+                   AND t.deliver_at <= v_now
+                   AND NOT t.payload_zstd
+                   AND NOT queen.timer_is_claimed(t.lease_until, v_now)
+                 ORDER BY t.deliver_at
+                 LIMIT greatest(p_limit, 0)
+                   FOR UPDATE SKIP LOCKED) o
+        UNION ALL
+        SELECT s.row_id
+          FROM unnest(p_tenants) AS tn(tenant)
+         CROSS JOIN LATERAL (
+                SELECT t.ctid AS row_id
+                  FROM queen.timers t
+                 WHERE (t.tenant, t.deliver_at) >= (tn.tenant, '-infinity'::timestamptz)  -- see find_due_tenants
+                   AND (t.tenant, t.deliver_at) <= (tn.tenant, v_now)
+                   AND NOT t.payload_zstd
+                   AND NOT queen.timer_is_claimed(t.lease_until, v_now)
+                 ORDER BY t.tenant, t.deliver_at
+                 LIMIT greatest(p_share, 0)
+                   FOR UPDATE SKIP LOCKED) s
+    ), gone AS (
+        -- by the locked row's ctid: one TID fetch per row. A join on the key
+        -- let the cached plan hash the whole table (a seq scan of every
+        -- pending timer per batch: bench/RESULTS.md). A row another
+        -- transaction updated after this statement's snapshot is not deleted
+        -- (its new version is not the snapshot's): it stays for a later batch.
+        DELETE FROM queen.timers t USING due d
+         WHERE t.ctid = d.row_id
+        RETURNING t.*
+    ), parts AS (
+        -- every destination partition (of the timer's tenant's queue), created
+        -- on first use; no lock (see queen.messages)
+        SELECT x.tenant, x.queue, x.partition,
+               queen.ensure_partition(x.tenant, x.queue, x.partition) AS partition_id
+          FROM (SELECT DISTINCT g.tenant, g.queue, g.partition FROM gone g ORDER BY 1, 2, 3) x
+    ), src AS (
+        SELECT g.*, p.partition_id
+          FROM gone g JOIN parts p ON p.tenant = g.tenant AND p.queue = g.queue AND p.partition = g.partition
+    ), ins AS (
+        INSERT INTO queen.messages (id, transaction_id, partition_id, payload, is_encrypted, producer_sub)
+        SELECT s.message_id, s.txn, s.partition_id, s.payload, s.encrypted, s.producer_sub
+          FROM src s
+         ORDER BY s.deliver_at, s.message_id
+    )
+    SELECT array_agg(ROW(s.tenant, s.queue, s.timer_key, 'fired', s.message_id, s.partition_id,
+                         s.deliver_at, clock_timestamp())::queen.fire_result
+                     ORDER BY s.deliver_at, s.message_id)
+      INTO v_out
+      FROM src s;
+    RETURN v_out;
+END
+$$;
+
+-- One batch of the fast path: the p_limit oldest due rows of the cell
+-- (queen.fire_due_rows). When that batch is full and its oldest row was due
+-- p_fair_after_ms ago or more (a backlog), expiry order alone would hold
+-- every other tenant's due timers until the backlog is fired (a million of
+-- one tenant's timers due at 09:00 held another tenant's timer due at
+-- 09:00:00.1 for 27 s). So each tenant with due rows that the batch left
+-- out also gets, in the same transaction, up to p_limit / (the number of
+-- tenants with due rows) of its own oldest (at most p_limit such tenants,
+-- the longest waiting first): a batch holds at most 2 * p_limit rows.
+-- p_fair_after_ms NULL: expiry order only. No subtransaction; a duplicate
+-- txn raises unique_violation. Answers in expiry order. Internal to
+-- queen.fire_due_timers.
+CREATE FUNCTION queen.fire_due_batch(
+    p_limit          integer,
+    p_now            timestamptz,
+    p_fair_after_ms  integer DEFAULT 100)
+RETURNS queen.fire_result[]
+LANGUAGE plpgsql AS $$
+DECLARE
+    v_now     timestamptz := coalesce(p_now, now());
+    v_out     queen.fire_result[];
+    v_in      text[];
+    v_tenants text[];
+    v_more    queen.fire_result[];
+BEGIN
+    v_out := queen.fire_due_rows(p_limit, v_now);
+    IF p_fair_after_ms IS NULL OR coalesce(cardinality(v_out), 0) < greatest(p_limit, 1)
+       OR v_out[1].deliver_at > v_now - greatest(p_fair_after_ms, 0) * interval '1 millisecond' THEN
+        RETURN v_out;  -- every due row it could take, or the fire keeps up
+    END IF;
+    SELECT array_agg(DISTINCT o.tenant) INTO v_in FROM unnest(v_out) o;
+    v_tenants := queen.find_due_tenants(v_now, p_limit, v_in);
+    IF v_tenants IS NULL THEN
+        RETURN v_out;
+    END IF;
+    v_more := queen.fire_due_rows(p_limit, v_now, v_tenants,
+                                  greatest(1, p_limit / (cardinality(v_tenants) + cardinality(v_in))));
+    IF v_more IS NOT NULL THEN
+        SELECT array_agg(o ORDER BY o.deliver_at, o.message_id) INTO v_out FROM unnest(v_out || v_more) o;
+    END IF;
+    RETURN v_out;
+END
+$$;
+
+-- Claim and fire in one transaction: the row lock is the claim, so no
+-- lease is needed and a broker dying mid-call loses nothing (the
+-- transaction rolls back). Used for every due timer whose frame needs
+-- nothing from the broker (no zstd to inflate). Expiry order, SKIP LOCKED;
+-- behind a backlog (a full batch whose oldest row was due p_fair_after_ms
+-- ago or more) the tenants it left out get their share of the batch too
+-- (queen.fire_due_batch).
+-- The common case is one statement with a plain INSERT (no join back from
+-- the log, no ON CONFLICT arbiter: together they halved the fire rate),
+-- queen.fire_due_rows. A txn already in its partition raises
+-- unique_violation there. With p_redo_duplicates (the default) the batch
+-- runs in a subtransaction and is redone (in expiry order) through
+-- append_timer_frames, which answers 'duplicate'. The sweeper passes false: no subtransaction
+-- on its common path; a duplicate fails its call (which rolls back whole)
+-- and it calls again with true.
+CREATE FUNCTION queen.fire_due_timers(
+    p_limit integer     DEFAULT 100,
+    p_now   timestamptz DEFAULT NULL,
+    p_redo_duplicates boolean DEFAULT true,
+    p_fair_after_ms integer DEFAULT 100)
+RETURNS SETOF queen.fire_result
+LANGUAGE plpgsql AS $$
+DECLARE
+    v_now  timestamptz := coalesce(p_now, now());
+    v_out  queen.fire_result[];
+    v_rows queen.timers[];
+BEGIN
+    IF (queen.get_cell_settings()).fire_paused THEN
+        RETURN;
+    END IF;
+    IF NOT coalesce(p_redo_duplicates, true) THEN
+        v_out := queen.fire_due_batch(p_limit, v_now, p_fair_after_ms);
+    ELSE
+        BEGIN
+            v_out := queen.fire_due_batch(p_limit, v_now, p_fair_after_ms);
+        EXCEPTION WHEN unique_violation THEN
+            v_out := NULL;
+            WITH due AS (
+                SELECT t.tenant, t.queue, t.timer_key
+                  FROM queen.timers t
+                 WHERE t.deliver_at <= v_now
+                   AND NOT t.payload_zstd
+                   AND NOT queen.timer_is_claimed(t.lease_until, v_now)
+                 ORDER BY t.deliver_at
+                 LIMIT greatest(p_limit, 0)
+                   FOR UPDATE SKIP LOCKED
+            ), gone AS (
+                DELETE FROM queen.timers t USING due d
+                 WHERE (t.tenant, t.queue, t.timer_key) = (d.tenant, d.queue, d.timer_key)
+                RETURNING t.*
+            )
+            SELECT array_agg(gone) INTO v_rows FROM gone;
+            IF v_rows IS NOT NULL THEN
+                RETURN QUERY SELECT * FROM queen.append_timer_frames(v_rows, NULL);
+            END IF;
+            RETURN;
+        END;
+    END IF;
+    IF v_out IS NULL THEN
+        RETURN;
+    END IF;
+    -- One decrement per tenant, appended: no fire waits on a counter row.
+    INSERT INTO queen.tenant_usage_deltas (tenant, pending_delta)
+    SELECT o.tenant, -count(*) FROM unnest(v_out) o GROUP BY o.tenant;
+    RETURN QUERY SELECT * FROM unnest(v_out);
+END
+$$;

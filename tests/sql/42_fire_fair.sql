@@ -1,0 +1,93 @@
+-- The fast path behind a backlog: a full batch whose oldest row is late
+-- also takes a share of the oldest due rows of each tenant it left out
+-- (queen.find_due_tenants, queen.fire_due_batch), so one tenant's backlog
+-- does not hold another tenant's timers until it is fired.
+BEGIN;
+SELECT plan(26);
+
+CREATE FUNCTION pg_temp.t0() RETURNS timestamptz LANGUAGE sql AS $$ SELECT '2030-01-01 00:00:00+00'::timestamptz $$;
+CREATE FUNCTION pg_temp.at(p_seconds numeric) RETURNS timestamptz LANGUAGE sql AS $$ SELECT pg_temp.t0() + p_seconds * interval '1 second' $$;
+-- p_n timers of p_tenant, keys <prefix>01.., due p_first_ms, p_first_ms + 1, ... after t0
+CREATE FUNCTION pg_temp.sched(p_tenant text, p_prefix text, p_n integer, p_first_ms bigint, p_zstd boolean DEFAULT NULL)
+RETURNS bigint LANGUAGE sql AS $$
+    SELECT count(*) FROM queen.schedule_timers(
+        p_tenant,
+        (SELECT array_agg(ROW('schedule', 'fq', p_prefix || lpad(g::text, 2, '0'), p_first_ms + g - 1, 'txn-' || p_prefix || g,
+                              convert_to('payload ' || g, 'UTF8'), NULL, p_zstd, NULL, NULL)::queen.timer_op ORDER BY g)
+           FROM generate_series(1, p_n) g),
+        p_now => pg_temp.t0())
+$$;
+CREATE FUNCTION pg_temp.keys(p_fired text) RETURNS text LANGUAGE plpgsql AS $$
+DECLARE v text;
+BEGIN
+    EXECUTE format('SELECT string_agg(timer_key, %L ORDER BY deliver_at, timer_key) FROM %I', ',', p_fired) INTO v;
+    RETURN v;
+END $$;
+
+SELECT has_index('queen', 'timers', 'timers_tenant_deliver_at_idx', ARRAY['tenant', 'deliver_at'],
+                 'each tenant''s due rows are indexed in expiry order');
+
+-- fa: 30 due 1..30 ms after t0; fb: one due 500 ms after t0; fc: one due a day later; fd: one zstd row, due
+SELECT is(pg_temp.sched('fair-a', 'a', 30, 1), 30::bigint, 'setup: fair-a has 30 timers');
+SELECT is(pg_temp.sched('fair-b', 'b', 1, 500), 1::bigint, 'setup: fair-b has one, due after all of fair-a''s');
+SELECT is(pg_temp.sched('fair-c', 'c', 1, 86400000), 1::bigint, 'setup: fair-c has one, due tomorrow');
+SELECT is(pg_temp.sched('fair-d', 'd', 1, 0, true), 1::bigint, 'setup: fair-d has one zstd timer, due');
+
+-- ---------------------------------------------------------------- find_due_tenants
+SELECT is(queen.find_due_tenants(pg_temp.at(10), 10), ARRAY['fair-a', 'fair-b'],
+          'find_due_tenants: the tenants with due rows, the longest waiting first; none with only later or zstd rows');
+SELECT is(queen.find_due_tenants(pg_temp.at(10), 1), ARRAY['fair-a'], 'at most p_limit tenants');
+SELECT is(queen.find_due_tenants(pg_temp.at(10), 10, ARRAY['fair-a']), ARRAY['fair-b'], 'none of p_except');
+SELECT is(queen.find_due_tenants(pg_temp.at(0.2), 10), ARRAY['fair-a'], 'fair-b is not due yet at t0 + 0.2 s');
+SELECT is(queen.find_due_tenants(pg_temp.at(10), 0), NULL, 'p_limit 0: none');
+
+-- ---------------------------------------------------------------- expiry order while the fire keeps up
+SAVEPOINT s;
+CREATE TEMP TABLE f_off AS SELECT * FROM queen.fire_due_timers(10, pg_temp.at(10), p_fair_after_ms => NULL);
+SELECT is(pg_temp.keys('f_off'), 'a01,a02,a03,a04,a05,a06,a07,a08,a09,a10',
+          'p_fair_after_ms NULL: the 10 oldest due rows of the cell, all fair-a''s');
+ROLLBACK TO SAVEPOINT s;
+CREATE TEMP TABLE f_gate AS SELECT * FROM queen.fire_due_timers(10, pg_temp.at(10), p_fair_after_ms => 20000);
+SELECT is(pg_temp.keys('f_gate'), 'a01,a02,a03,a04,a05,a06,a07,a08,a09,a10',
+          'the oldest row due 10 s ago, under p_fair_after_ms 20 s: expiry order');
+ROLLBACK TO SAVEPOINT s;
+
+-- ---------------------------------------------------------------- behind a backlog: shares
+CREATE TEMP TABLE f1 AS SELECT * FROM queen.fire_due_timers(10, pg_temp.at(10));
+SELECT is(pg_temp.keys('f1'), 'a01,a02,a03,a04,a05,a06,a07,a08,a09,a10,b01',
+          'a full batch whose oldest row was due 10 s ago (over 100 ms): fair-b''s timer fires in it, beside fair-a''s 10 oldest');
+SELECT results_eq('SELECT deliver_at FROM f1', 'SELECT deliver_at FROM f1 ORDER BY deliver_at, message_id',
+                  'the answers come in expiry order');
+SELECT is((SELECT string_agg(f1.timer_key, ',' ORDER BY m.xid, m.seq)
+             FROM queen.messages m JOIN f1 ON f1.message_id = m.id WHERE f1.tenant = 'fair-a'),
+          'a01,a02,a03,a04,a05,a06,a07,a08,a09,a10', 'fair-a''s frames are in its partition in expiry order');
+SELECT is((SELECT count(*) FROM queen.timers WHERE tenant = 'fair-a'), 20::bigint, 'fair-a has 20 left');
+SELECT is(queen.get_pending_timers('fair-b'), 0::bigint, 'fair-b''s counter is down to 0');
+
+-- both with a backlog: half each
+SELECT is(pg_temp.sched('fair-b', 'bb', 30, 600), 30::bigint, 'setup: fair-b has 30 more, due 600-629 ms after t0');
+CREATE TEMP TABLE f2 AS SELECT * FROM queen.fire_due_timers(10, pg_temp.at(10));
+SELECT results_eq('SELECT tenant, count(*) FROM f2 GROUP BY tenant ORDER BY tenant',
+                  $$VALUES ('fair-a', 10::bigint), ('fair-b', 5::bigint)$$,
+                  'two tenants with a backlog, a batch of 10: fair-a''s 10 (the oldest), and fair-b, left out, its share (10 / 2 tenants)');
+SELECT is(pg_temp.keys('f2'), 'a11,a12,a13,a14,a15,a16,a17,a18,a19,a20,bb01,bb02,bb03,bb04,bb05', 'each tenant''s oldest, in order');
+
+-- more tenants due than the batch: one each for the longest waiting
+SELECT is(pg_temp.sched('fair-e', 'e', 3, 700), 3::bigint, 'setup: fair-e has 3, due 700-702 ms after t0');
+CREATE TEMP TABLE f3 AS SELECT * FROM queen.fire_due_timers(2, pg_temp.at(10));
+SELECT is(pg_temp.keys('f3'), 'a21,a22,bb06,e01', 'three tenants due, a batch of 2: each tenant left out gets at least one (2 * p_limit at most)');
+
+-- p_limit 1: the cell's oldest
+CREATE TEMP TABLE f4 AS SELECT * FROM queen.fire_due_timers(1, pg_temp.at(10));
+SELECT is(pg_temp.keys('f4'), 'a23,bb07', 'a batch of 1: the cell''s oldest, and one of the tenant left out waiting longest (at most p_limit tenants)');
+
+-- the zstd row is the leased path's
+SELECT is((SELECT count(*) FROM queen.fire_due_timers(1000, pg_temp.at(10)) WHERE tenant = 'fair-d'), 0::bigint,
+          'the zstd row is not fired by the fast path');
+SELECT is((SELECT count(*) FROM queen.timers WHERE tenant LIKE 'fair-%' AND deliver_at <= pg_temp.at(10)), 1::bigint,
+          'every other due row fired (the zstd row left)');
+SELECT is((SELECT sum(queen.get_pending_timers(t)) FROM unnest(ARRAY['fair-a', 'fair-b', 'fair-c', 'fair-e']) t), 1::numeric,
+          'the counters agree: fair-c''s one left');
+
+SELECT * FROM finish();
+ROLLBACK;
