@@ -1,5 +1,6 @@
 """Section `fairness`: how long one tenant's backlog of due timers delays another tenant's
-timer (a measurement of a known limit, not a target; docs/sweeper.md, "Order across tenants").
+timer (docs/sweeper.md, "Order across tenants"). Target: B's timer fires within
+TARGET_MS of its deliver_at whatever the size of A's backlog.
 
 Per size in --fairness-backlogs: tenant `tenant-a` holds n timers due at one instant T (inserted
 straight into queen.timers by bench.harness.load_timers), tenant `tenant-b` schedules one
@@ -7,9 +8,10 @@ through queen.schedule_timers due 100 ms after T. One broker at its defaults sta
 Printed: how long the broker took to fire A's backlog, and B's lag: the commit of B's frame
 minus B's deliver_at, both in the database (track_commit_timestamp).
 
-The fire takes due timers in deliver_at order whichever tenant they belong to (one index on
-deliver_at; claims with FOR UPDATE SKIP LOCKED), so B's timer waits for every one of A's that
-fell due before it.
+A batch takes the cell's oldest due timers; when it is full and its oldest was due
+p_fair_after_ms (100) ago or more, each tenant it left out also gets its share in the same
+transaction (queen.fire_due_batch). In expiry order alone (before migration 018) B's timer
+waited for every one of A's: 26.6 s behind 1,000,000.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from harness import Results, connect, load_timers, log, start_broker, wait_until
 
 LEAD_S = 6.0  # A's backlog falls due this long (plus 1 s per 100,000) after it is chosen: the broker is up by then
 B_AFTER_MS = 100
+TARGET_MS = 250  # p_fair_after_ms (100) and a few batches
 
 
 def bench_fairness(url: str, res: Results, backlogs: list[int]) -> None:
@@ -55,4 +58,7 @@ def bench_fairness(url: str, res: Results, backlogs: list[int]) -> None:
             rows.append({"backlog": n, "a_fire_s": float(a_secs), "b_lag_ms": float(b_lag)})
             log(f"  A's backlog {n:>9,}: fired in {float(a_secs):6.2f} s; B's timer (due {B_AFTER_MS} ms after A's) "
                 f"fired {float(b_lag):8.1f} ms after its deliver_at")
-    res.put("fairness", rows=rows)
+    worst = max(r["b_lag_ms"] for r in rows)
+    log(f"  B's timer, worst of the sizes: {worst:.1f} ms late (target <= {TARGET_MS} ms) -> "
+        f"{'met' if worst <= TARGET_MS else 'MISSED'}")
+    res.put("fairness", rows=rows, worst_b_lag_ms=worst, target_ms=TARGET_MS, met=worst <= TARGET_MS)
