@@ -603,6 +603,8 @@ CREATE INDEX timers_zstd_deliver_at_idx ON queen.timers (deliver_at) WHERE paylo
 -- The fast path's fair share (queen.fire_due_batch): each tenant's due rows
 -- in expiry order, found without walking another tenant's backlog.
 CREATE INDEX timers_tenant_deliver_at_idx ON queen.timers (tenant, deliver_at) WHERE NOT payload_zstd;
+-- The same for the leased path's shares (queen.claim_timers).
+CREATE INDEX timers_tenant_zstd_deliver_at_idx ON queen.timers (tenant, deliver_at) WHERE payload_zstd;
 
 -- The payloads of a large batch, streamed in by COPY in the transaction
 -- that then calls schedule_timers(p_staged => batch): the batch's ops then
@@ -1418,61 +1420,140 @@ BEGIN
 END
 $$;
 
+-- The claim's one statement: up to p_limit due rows, in expiry order,
+-- SKIP LOCKED, leased to p_broker under p_claim for p_lease_ms and answered
+-- in expiry order. Either the cell's oldest (p_tenants NULL; p_zstd_only:
+-- zstd rows only) or the p_share oldest zstd rows of each tenant of
+-- p_tenants (the shares of queen.claim_timers). p_max_bytes (NULL: no
+-- bound) bounds the stored payload bytes claimed: rows are taken in expiry
+-- order (the shares: each tenant's oldest, then each one's second, ...)
+-- while the bytes before them are under it, so the first row is always
+-- claimed, however large; the rows left are not claimed. Internal to
+-- queen.claim_timers.
+CREATE FUNCTION queen.claim_due_rows(
+    p_claim     uuid,
+    p_broker    text,
+    p_limit     integer,
+    p_lease_ms  integer,
+    p_now       timestamptz,
+    p_zstd_only boolean,
+    p_max_bytes bigint,
+    p_tenants   text[]  DEFAULT NULL,
+    p_share     integer DEFAULT NULL)
+RETURNS SETOF queen.claimed_timer
+LANGUAGE plpgsql SET plan_cache_mode = force_custom_plan AS $$
+BEGIN
+    RETURN QUERY
+    WITH due AS (
+        -- octet_length of a stored bytea reads its TOAST header, not the bytes
+        SELECT o.*
+          FROM (SELECT t.tenant, t.queue, t.timer_key, t.deliver_at, octet_length(t.payload) AS bytes
+                  FROM queen.timers t
+                 WHERE p_tenants IS NULL
+                   AND t.deliver_at <= p_now
+                   AND NOT queen.timer_is_claimed(t.lease_until, p_now)
+                   AND (t.payload_zstd OR NOT p_zstd_only)
+                 ORDER BY t.deliver_at
+                 LIMIT greatest(p_limit, 0)
+                   FOR UPDATE SKIP LOCKED) o
+        UNION ALL
+        SELECT s.*
+          FROM unnest(p_tenants) AS tn(tenant)
+         CROSS JOIN LATERAL (
+                SELECT t.tenant, t.queue, t.timer_key, t.deliver_at, octet_length(t.payload) AS bytes
+                  FROM queen.timers t
+                 WHERE (t.tenant, t.deliver_at) >= (tn.tenant, '-infinity'::timestamptz)  -- see find_due_tenants
+                   AND (t.tenant, t.deliver_at) <= (tn.tenant, p_now)
+                   AND t.payload_zstd
+                   AND NOT queen.timer_is_claimed(t.lease_until, p_now)
+                 ORDER BY t.tenant, t.deliver_at
+                 LIMIT greatest(p_share, 0)
+                   FOR UPDATE SKIP LOCKED) s
+    ), turns AS (
+        -- the shares go round the tenants under the byte bound: every tenant's
+        -- oldest before anyone's second (the cell's oldest: expiry order)
+        SELECT d.*, CASE WHEN p_tenants IS NULL THEN 1
+                         ELSE row_number() OVER (PARTITION BY d.tenant ORDER BY d.deliver_at, d.queue, d.timer_key)
+                    END AS turn
+          FROM due d
+    ), fit AS (
+        SELECT d.tenant, d.queue, d.timer_key
+          FROM (SELECT d.*, coalesce(sum(d.bytes) OVER (ORDER BY d.turn, d.deliver_at, d.tenant, d.queue, d.timer_key
+                                                        ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING), 0) AS before
+                  FROM turns d) d
+         WHERE p_max_bytes IS NULL OR d.before < greatest(p_max_bytes, 1)
+    ), claimed AS (
+        UPDATE queen.timers t
+           SET claim_id = p_claim, claimed_by = p_broker,
+               lease_until = p_now + greatest(p_lease_ms, 1) * interval '1 millisecond'
+          FROM fit due
+         WHERE (t.tenant, t.queue, t.timer_key) = (due.tenant, due.queue, due.timer_key)
+        RETURNING t.tenant, t.queue, t.timer_key, t.partition, t.deliver_at, t.lease_until,
+                  t.txn, t.message_id, t.payload, t.payload_zstd, t.encrypted, t.attempts
+    )
+    SELECT p_claim, c.tenant, c.queue, c.timer_key::text, c.partition, c.deliver_at, c.lease_until,
+           c.txn, c.message_id, c.payload, c.payload_zstd, c.encrypted, c.attempts
+      FROM claimed c
+     ORDER BY c.deliver_at, c.message_id;
+END
+$$;
+
 -- Claim up to p_limit due timers for p_lease_ms, in expiry order (and
 -- returned in it), skipping rows another session holds. A row whose
 -- lease expired (its broker died) is due again. Nothing is claimed
 -- while the fire is paused. p_zstd_only: only rows whose frame needs the
 -- broker (zstd to inflate); fire_due_timers takes the rest, lease-free.
--- p_max_bytes (NULL: no bound) bounds the stored payload bytes claimed:
--- rows are taken in expiry order while the bytes before them are under
--- it, so the first row is always claimed, however large; the rows left
--- are not claimed (their row locks end with the statement).
+-- p_max_bytes (NULL: no bound) bounds the stored payload bytes claimed
+-- (see queen.claim_due_rows). With p_zstd_only, behind a backlog (the
+-- claim came back full, by rows or bytes, and its oldest row was due
+-- p_fair_after_ms ago or more) each tenant with due zstd rows that the
+-- claim left out also gets up to p_limit / (the number of tenants with due
+-- zstd rows) of its oldest, under the same claim and a second p_max_bytes:
+-- as queen.fire_due_batch does for the fast path.
 CREATE FUNCTION queen.claim_timers(
     p_broker    text,
     p_limit     integer     DEFAULT 100,
     p_lease_ms  integer     DEFAULT 30000,
     p_now       timestamptz DEFAULT NULL,
     p_zstd_only boolean     DEFAULT false,
-    p_max_bytes bigint      DEFAULT NULL)
+    p_max_bytes bigint      DEFAULT NULL,
+    p_fair_after_ms integer DEFAULT 100)
 RETURNS SETOF queen.claimed_timer
-LANGUAGE plpgsql SET plan_cache_mode = force_custom_plan AS $$
+LANGUAGE plpgsql AS $$
 DECLARE
-    v_now   timestamptz := coalesce(p_now, now());
-    v_claim uuid := gen_random_uuid();
+    v_now     timestamptz := coalesce(p_now, now());
+    v_claim   uuid := gen_random_uuid();
+    v_rows    queen.claimed_timer[];
+    v_in      text[];
+    v_tenants text[];
 BEGIN
     IF (queen.get_cell_settings()).fire_paused THEN
         RETURN;
     END IF;
-    RETURN QUERY
-    WITH due AS (
-        -- octet_length of a stored bytea reads its TOAST header, not the bytes
-        SELECT t.tenant, t.queue, t.timer_key, t.deliver_at, octet_length(t.payload) AS bytes
-          FROM queen.timers t
-         WHERE t.deliver_at <= v_now
-           AND NOT queen.timer_is_claimed(t.lease_until, v_now)
-           AND (t.payload_zstd OR NOT p_zstd_only)
-         ORDER BY t.deliver_at
-         LIMIT greatest(p_limit, 0)
-           FOR UPDATE SKIP LOCKED
-    ), fit AS (
-        SELECT d.tenant, d.queue, d.timer_key
-          FROM (SELECT d.*, coalesce(sum(d.bytes) OVER (ORDER BY d.deliver_at, d.tenant, d.queue, d.timer_key
-                                                        ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING), 0) AS before
-                  FROM due d) d
-         WHERE p_max_bytes IS NULL OR d.before < greatest(p_max_bytes, 1)
-    ), claimed AS (
-        UPDATE queen.timers t
-           SET claim_id = v_claim, claimed_by = p_broker,
-               lease_until = v_now + greatest(p_lease_ms, 1) * interval '1 millisecond'
-          FROM fit due
-         WHERE (t.tenant, t.queue, t.timer_key) = (due.tenant, due.queue, due.timer_key)
-        RETURNING t.tenant, t.queue, t.timer_key, t.partition, t.deliver_at, t.lease_until,
-                  t.txn, t.message_id, t.payload, t.payload_zstd, t.encrypted, t.attempts
-    )
-    SELECT v_claim, c.tenant, c.queue, c.timer_key::text, c.partition, c.deliver_at, c.lease_until,
-           c.txn, c.message_id, c.payload, c.payload_zstd, c.encrypted, c.attempts
-      FROM claimed c
-     ORDER BY c.deliver_at, c.message_id;
+    SELECT array_agg(c) INTO v_rows
+      FROM queen.claim_due_rows(v_claim, p_broker, p_limit, p_lease_ms, v_now, p_zstd_only, p_max_bytes) c;
+    IF v_rows IS NULL THEN
+        RETURN;
+    END IF;
+    IF coalesce(p_zstd_only, false) AND p_fair_after_ms IS NOT NULL
+       AND (cardinality(v_rows) >= greatest(p_limit, 1)
+            OR (SELECT sum(octet_length(r.payload)) FROM unnest(v_rows) r) >= p_max_bytes)
+       AND (SELECT min(r.deliver_at) FROM unnest(v_rows) r)
+           <= v_now - greatest(p_fair_after_ms, 0) * interval '1 millisecond' THEN
+        SELECT array_agg(DISTINCT r.tenant) INTO v_in FROM unnest(v_rows) r;
+        v_tenants := queen.find_due_tenants(v_now, p_limit, v_in, p_zstd => true);
+        IF v_tenants IS NOT NULL THEN
+            RETURN QUERY
+            SELECT * FROM (SELECT * FROM unnest(v_rows)
+                           UNION ALL
+                           SELECT * FROM queen.claim_due_rows(
+                               v_claim, p_broker, p_limit, p_lease_ms, v_now, true, p_max_bytes, v_tenants,
+                               greatest(1, p_limit / (cardinality(v_tenants) + cardinality(v_in))))) r
+             ORDER BY r.deliver_at, r.message_id;
+            RETURN;
+        END IF;
+    END IF;
+    RETURN QUERY SELECT * FROM unnest(v_rows);
 END
 $$;
 
@@ -1518,18 +1599,40 @@ END
 $$;
 
 -- The tenants, other than p_except, with rows due for the fast path (no
--- zstd), the one whose oldest due row is oldest first, at most p_limit of
--- them. The candidates are the tenants whose usage row counts pending
--- timers (every timer is scheduled through queen.schedule_timers, which
--- counts it there; the count folds its decrements about once a second, so
--- it is never below the true one); each is probed with one descent of
--- timers_tenant_deliver_at_idx, so no tenant's backlog is walked.
--- Internal to queen.fire_due_batch.
-CREATE FUNCTION queen.find_due_tenants(p_now timestamptz, p_limit integer, p_except text[] DEFAULT NULL)
+-- zstd; p_zstd: for the leased path, zstd only), the one whose oldest due
+-- row is oldest first, at most p_limit of them. The candidates are the
+-- tenants whose usage row counts pending timers (every timer is scheduled
+-- through queen.schedule_timers, which counts it there; the count folds
+-- its decrements about once a second, so it is never below the true one);
+-- each is probed with one descent of timers_tenant_deliver_at_idx
+-- (timers_tenant_zstd_deliver_at_idx), so no tenant's backlog is walked.
+-- Internal to queen.fire_due_batch and queen.claim_timers.
+CREATE FUNCTION queen.find_due_tenants(p_now timestamptz, p_limit integer, p_except text[] DEFAULT NULL,
+                                       p_zstd boolean DEFAULT false)
 RETURNS text[]
 LANGUAGE plpgsql STABLE AS $$
 BEGIN
-    -- PL/pgSQL, not SQL: its plan is cached (a SQL function is planned at every call)
+    -- PL/pgSQL, not SQL: its plans are cached (a SQL function is planned at
+    -- every call). Two statements, one per partial index.
+    IF p_zstd THEN
+        RETURN (
+            SELECT array_agg(d.tenant ORDER BY d.first, d.tenant)
+              FROM (SELECT u.tenant, o.first
+                      FROM queen.tenant_usage u
+                     CROSS JOIN LATERAL (
+                            SELECT t.deliver_at AS first
+                              FROM queen.timers t
+                             WHERE (t.tenant, t.deliver_at) >= (u.tenant, '-infinity'::timestamptz)
+                               AND (t.tenant, t.deliver_at) <= (u.tenant, coalesce(p_now, now()))
+                               AND t.payload_zstd
+                             ORDER BY t.tenant, t.deliver_at
+                             LIMIT 1) o
+                     WHERE u.pending_timers > 0
+                       AND u.tenant <> ALL (coalesce(p_except, '{}'))
+                     ORDER BY o.first, u.tenant
+                     LIMIT greatest(p_limit, 0)) d
+        );
+    END IF;
     RETURN (
         SELECT array_agg(d.tenant ORDER BY d.first, d.tenant)
           FROM (SELECT u.tenant, o.first

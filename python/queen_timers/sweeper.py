@@ -251,7 +251,8 @@ class Sweeper:
         Normally only zstd rows are claimed (the fast path took the others); when
         isolating a failed fast batch, every due row is, to be fired one by one.
         Memory: the claimed rows hold at most QUEEN_SWEEPER_BATCH_BYTES of stored
-        payload (plus one row), and the inflated frames are fired whenever they reach
+        payload (plus one row; twice that behind a backlog, when the claim adds the
+        other tenants' shares under a second bound), and the inflated frames are fired whenever they reach
         that many bytes, so a batch of 1 MiB payloads never sits in memory at once."""
         s = self.settings
         max_bytes = s.sweeper_batch_bytes

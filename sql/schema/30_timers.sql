@@ -49,6 +49,8 @@ CREATE INDEX timers_zstd_deliver_at_idx ON queen.timers (deliver_at) WHERE paylo
 -- The fast path's fair share (queen.fire_due_batch): each tenant's due rows
 -- in expiry order, found without walking another tenant's backlog.
 CREATE INDEX timers_tenant_deliver_at_idx ON queen.timers (tenant, deliver_at) WHERE NOT payload_zstd;
+-- The same for the leased path's shares (queen.claim_timers).
+CREATE INDEX timers_tenant_zstd_deliver_at_idx ON queen.timers (tenant, deliver_at) WHERE payload_zstd;
 
 -- The payloads of a large batch, streamed in by COPY in the transaction
 -- that then calls schedule_timers(p_staged => batch): the batch's ops then

@@ -4,13 +4,13 @@ tenant a full, late batch left out)."""
 
 from __future__ import annotations
 
-from sweeper_support import sdb, sweeper_broker, timer_count, wait_until  # noqa: F401  (fixtures)
+from sweeper_support import sdb, sweeper_broker, timer_count, wait_until, zstd  # noqa: F401  (fixtures)
 
 BATCH = 256
 SCHEDULE_DUE = """
 SELECT count(*) AS n FROM queen.schedule_timers(%(tenant)s, (
     SELECT array_agg(ROW('schedule', 'fair', %(tenant)s || '-' || g, %(delay)s::bigint, 'txn-' || %(tenant)s || '-' || g,
-                         '\\x7b7d'::bytea, NULL, false, false, NULL)::queen.timer_op ORDER BY g)
+                         %(payload)s::bytea, NULL, %(zstd)s, false, %(raw)s::integer)::queen.timer_op ORDER BY g)
       FROM generate_series(%(first)s::int, %(last)s::int) g))
 """
 # the log in append order: seq is the log's identity, one broker fires batch after batch
@@ -21,11 +21,14 @@ SELECT q.tenant FROM queen.messages m
 """
 
 
-def schedule_due(conn, tenant: str, n: int, delay_ms: int) -> None:
-    """n timers of tenant, all due delay_ms from now (negative: already due), through schedule_timers."""
+def schedule_due(conn, tenant: str, n: int, delay_ms: int, compressed: bool = False) -> None:
+    """n timers of tenant, all due delay_ms from now (negative: already due), through schedule_timers;
+    compressed: their payload stored as zstd (the leased path's)."""
+    payload = {"payload": zstd(b"{}"), "zstd": True, "raw": 2} if compressed else {"payload": b"{}", "zstd": False, "raw": None}
     for first in range(1, n + 1, BATCH):
         last = min(first + BATCH - 1, n)
-        row = conn.execute(SCHEDULE_DUE, {"tenant": tenant, "delay": delay_ms, "first": first, "last": last}).fetchone()
+        row = conn.execute(SCHEDULE_DUE, {"tenant": tenant, "delay": delay_ms, "first": first, "last": last,
+                                          **payload}).fetchone()
         assert row["n"] == last - first + 1
 
 
@@ -59,3 +62,13 @@ def test_two_backlogs_share_every_batch(sdb, sweeper_broker):
     assert len(order) == 10_000
     first = order[:2000]
     assert 600 <= first.count("fair-b") <= 700, first.count("fair-b")
+
+
+def test_the_leased_path_shares_too(sdb, sweeper_broker):
+    # zstd payloads go through the leased path (claim_timers): the same shares.
+    sdb.execute("SELECT queen.pause_fire()")
+    schedule_due(sdb, "fair-a", 3_000, -2000, compressed=True)
+    schedule_due(sdb, "fair-b", 1, -1000, compressed=True)
+    order = fire_all(sdb, sweeper_broker)
+    assert len(order) == 3_001
+    assert order.index("fair-b") <= BATCH, order.index("fair-b")

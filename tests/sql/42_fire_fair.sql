@@ -3,7 +3,7 @@
 -- (queen.find_due_tenants, queen.fire_due_batch), so one tenant's backlog
 -- does not hold another tenant's timers until it is fired.
 BEGIN;
-SELECT plan(26);
+SELECT plan(38);
 
 CREATE FUNCTION pg_temp.t0() RETURNS timestamptz LANGUAGE sql AS $$ SELECT '2030-01-01 00:00:00+00'::timestamptz $$;
 CREATE FUNCTION pg_temp.at(p_seconds numeric) RETURNS timestamptz LANGUAGE sql AS $$ SELECT pg_temp.t0() + p_seconds * interval '1 second' $$;
@@ -42,15 +42,19 @@ SELECT is(queen.find_due_tenants(pg_temp.at(0.2), 10), ARRAY['fair-a'], 'fair-b 
 SELECT is(queen.find_due_tenants(pg_temp.at(10), 0), NULL, 'p_limit 0: none');
 
 -- ---------------------------------------------------------------- expiry order while the fire keeps up
-SAVEPOINT s;
-CREATE TEMP TABLE f_off AS SELECT * FROM queen.fire_due_timers(10, pg_temp.at(10), p_fair_after_ms => NULL);
-SELECT is(pg_temp.keys('f_off'), 'a01,a02,a03,a04,a05,a06,a07,a08,a09,a10',
-          'p_fair_after_ms NULL: the 10 oldest due rows of the cell, all fair-a''s');
-ROLLBACK TO SAVEPOINT s;
-CREATE TEMP TABLE f_gate AS SELECT * FROM queen.fire_due_timers(10, pg_temp.at(10), p_fair_after_ms => 20000);
-SELECT is(pg_temp.keys('f_gate'), 'a01,a02,a03,a04,a05,a06,a07,a08,a09,a10',
+-- (no savepoint: pgTAP's own records would roll back with it) ord-a's 20 and ord-b's one, due
+-- 100 s before t0, fired at t0 - 90 s, when none of the others is due
+SELECT is(pg_temp.sched('ord-a', 'oa', 20, -100000) + pg_temp.sched('ord-b', 'ob', 1, -99500), 21::bigint,
+          'setup: ord-a 20 due 100 s before t0, ord-b one due 99.5 s before it');
+CREATE TEMP TABLE f_off AS SELECT * FROM queen.fire_due_timers(5, pg_temp.at(-90), p_fair_after_ms => NULL);
+SELECT is(pg_temp.keys('f_off'), 'oa01,oa02,oa03,oa04,oa05',
+          'p_fair_after_ms NULL: the 5 oldest due rows of the cell, all ord-a''s');
+CREATE TEMP TABLE f_gate AS SELECT * FROM queen.fire_due_timers(5, pg_temp.at(-90), p_fair_after_ms => 20000);
+SELECT is(pg_temp.keys('f_gate'), 'oa06,oa07,oa08,oa09,oa10',
           'the oldest row due 10 s ago, under p_fair_after_ms 20 s: expiry order');
-ROLLBACK TO SAVEPOINT s;
+CREATE TEMP TABLE f_late AS SELECT * FROM queen.fire_due_timers(5, pg_temp.at(-90), p_fair_after_ms => 5000);
+SELECT is(pg_temp.keys('f_late'), 'oa11,oa12,oa13,oa14,oa15,ob01', 'over p_fair_after_ms 5 s: ord-b''s share too');
+SELECT is((SELECT count(*) FROM queen.fire_due_timers(100, pg_temp.at(-90))), 5::bigint, 'a batch that is not full: the rest');
 
 -- ---------------------------------------------------------------- behind a backlog: shares
 CREATE TEMP TABLE f1 AS SELECT * FROM queen.fire_due_timers(10, pg_temp.at(10));
@@ -88,6 +92,35 @@ SELECT is((SELECT count(*) FROM queen.timers WHERE tenant LIKE 'fair-%' AND deli
           'every other due row fired (the zstd row left)');
 SELECT is((SELECT sum(queen.get_pending_timers(t)) FROM unnest(ARRAY['fair-a', 'fair-b', 'fair-c', 'fair-e']) t), 1::numeric,
           'the counters agree: fair-c''s one left');
+
+-- ---------------------------------------------------------------- the leased path (zstd): the same shares
+SELECT has_index('queen', 'timers', 'timers_tenant_zstd_deliver_at_idx', ARRAY['tenant', 'deliver_at'],
+                 'each tenant''s zstd rows are indexed in expiry order');
+SELECT is(pg_temp.sched('fz-a', 'za', 6, 1, true) + pg_temp.sched('fz-b', 'zb', 3, 500, true) + pg_temp.sched('fz-c', 'zc', 1, 600, true),
+          10::bigint, 'setup: zstd timers: fz-a 6 due 1-6 ms after t0, fz-b 3 due 500-502 ms, fz-c one due 600 ms');
+SELECT is(queen.find_due_tenants(pg_temp.at(10), 10, p_zstd => true), ARRAY['fair-d', 'fz-a', 'fz-b', 'fz-c'],
+          'find_due_tenants(p_zstd): the tenants with due zstd rows, oldest first');
+-- each claim's rows are let go by hand before the next (no savepoint: see above)
+CREATE FUNCTION pg_temp.unclaim() RETURNS void LANGUAGE sql AS $$
+    UPDATE queen.timers SET claim_id = NULL, claimed_by = NULL, lease_until = NULL WHERE claim_id IS NOT NULL $$;
+CREATE TEMP TABLE c2 AS SELECT * FROM queen.claim_timers('b1', 3, 60000, pg_temp.at(10), p_zstd_only => true, p_fair_after_ms => NULL);
+SELECT is(pg_temp.keys('c2'), 'd01,za01,za02', 'p_fair_after_ms NULL: expiry order only');
+SELECT pg_temp.unclaim();
+CREATE TEMP TABLE c3 AS SELECT * FROM queen.claim_timers('b1', 3, 60000, pg_temp.at(10), p_fair_after_ms => 100);
+SELECT is(pg_temp.keys('c3'), 'd01,za01,za02', 'not p_zstd_only (a broker isolating a failed batch): expiry order only');
+SELECT pg_temp.unclaim();
+-- stored payloads of 9 bytes ('payload 1'); a bound of 12 bytes takes two rows (the bytes before the second: 9)
+CREATE TEMP TABLE c4 AS SELECT * FROM queen.claim_timers('b1', 100, 60000, pg_temp.at(10), p_zstd_only => true, p_max_bytes => 12);
+SELECT is(pg_temp.keys('c4'), 'd01,za01,zb01,zc01',
+          'full by bytes: the cell''s oldest under the bound, then the shares under a second bound, every tenant''s oldest first (zc01 before zb02)');
+SELECT pg_temp.unclaim();
+CREATE TEMP TABLE c1 AS SELECT * FROM queen.claim_timers('b1', 3, 60000, pg_temp.at(10), p_zstd_only => true);
+SELECT is(pg_temp.keys('c1'), 'd01,za01,za02,zb01,zc01',
+          'a full claim whose oldest was due 10 s ago: the cell''s 3 oldest, and one each for fz-b and fz-c, left out (3 / 4 tenants, at least 1)');
+SELECT is((SELECT count(DISTINCT claim_id) FROM c1), 1::bigint, 'under one claim');
+SELECT results_eq($$SELECT outcome, count(*) FROM queen.fire_timers((SELECT claim_id FROM c1 LIMIT 1),
+                      (SELECT array_agg(ROW(tenant, queue, timer_key, NULL)::queen.fire_frame) FROM c1)) GROUP BY 1$$,
+                  $$VALUES ('fired', 5::bigint)$$, 'fire_timers fires all five under that claim');
 
 SELECT * FROM finish();
 ROLLBACK;
