@@ -172,55 +172,73 @@ $$;
 -- row is oldest first, at most p_limit of them. The candidates are the
 -- tenants whose usage row counts pending timers (every timer is scheduled
 -- through queen.schedule_timers, which counts it there; the count folds
--- its decrements about once a second, so it is never below the true one);
--- each is probed with one descent of timers_tenant_deliver_at_idx
+-- its decrements about once a second, so it is never below the true one),
+-- at most 64 a call, taken in turn: the session's setting queen.fire_turn
+-- keeps the last one probed, and the next call starts after it (wrapping),
+-- so a cell of 10,000 such tenants costs 64 probes a batch, not 10,000
+-- (30 ms), and each tenant is probed at least every ceil(N / 64) calls of
+-- a session. Each is probed with one descent of timers_tenant_deliver_at_idx
 -- (timers_tenant_zstd_deliver_at_idx), so no tenant's backlog is walked.
 -- Internal to queen.fire_due_batch and queen.claim_timers.
 CREATE FUNCTION queen.find_due_tenants(p_now timestamptz, p_limit integer, p_except text[] DEFAULT NULL,
                                        p_zstd boolean DEFAULT false)
 RETURNS text[]
-LANGUAGE plpgsql STABLE AS $$
+LANGUAGE plpgsql AS $$
+DECLARE
+    v_turn text := coalesce(current_setting('queen.fire_turn', true), '');
+    v_cand text[];
+    v_now  timestamptz := coalesce(p_now, now());
 BEGIN
     -- PL/pgSQL, not SQL: its plans are cached (a SQL function is planned at
-    -- every call). Two statements, one per partial index.
+    -- every call). The next 64 candidates after the last one probed, wrapping.
+    SELECT array_agg(c.tenant ORDER BY c.lap, c.tenant) INTO v_cand
+      FROM ((SELECT u.tenant, 1 AS lap FROM queen.tenant_usage u
+              WHERE u.tenant > v_turn AND u.pending_timers > 0 AND u.tenant <> ALL (coalesce(p_except, '{}'))
+              ORDER BY u.tenant LIMIT 64)
+            UNION ALL
+            (SELECT u.tenant, 2 AS lap FROM queen.tenant_usage u
+              WHERE u.tenant <= v_turn AND u.pending_timers > 0 AND u.tenant <> ALL (coalesce(p_except, '{}'))
+              ORDER BY u.tenant LIMIT 64)
+            LIMIT 64) c;
+    IF v_cand IS NULL THEN
+        RETURN NULL;
+    END IF;
+    PERFORM set_config('queen.fire_turn', v_cand[cardinality(v_cand)], false);
+    -- Two statements, one per partial index. (tenant = c.tenant written as
+    -- row comparisons: an equality would let the planner walk
+    -- timers_deliver_at_idx filtering on the tenant, all of another tenant's
+    -- backlog; (tenant, deliver_at) order only the tenant-led index gives,
+    -- bounded on both sides.)
     IF p_zstd THEN
         RETURN (
             SELECT array_agg(d.tenant ORDER BY d.first, d.tenant)
-              FROM (SELECT u.tenant, o.first
-                      FROM queen.tenant_usage u
+              FROM (SELECT c.tenant, o.first
+                      FROM unnest(v_cand) AS c(tenant)
                      CROSS JOIN LATERAL (
                             SELECT t.deliver_at AS first
                               FROM queen.timers t
-                             WHERE (t.tenant, t.deliver_at) >= (u.tenant, '-infinity'::timestamptz)
-                               AND (t.tenant, t.deliver_at) <= (u.tenant, coalesce(p_now, now()))
+                             WHERE (t.tenant, t.deliver_at) >= (c.tenant, '-infinity'::timestamptz)
+                               AND (t.tenant, t.deliver_at) <= (c.tenant, v_now)
                                AND t.payload_zstd
                              ORDER BY t.tenant, t.deliver_at
                              LIMIT 1) o
-                     WHERE u.pending_timers > 0
-                       AND u.tenant <> ALL (coalesce(p_except, '{}'))
-                     ORDER BY o.first, u.tenant
+                     ORDER BY o.first, c.tenant
                      LIMIT greatest(p_limit, 0)) d
         );
     END IF;
     RETURN (
         SELECT array_agg(d.tenant ORDER BY d.first, d.tenant)
-          FROM (SELECT u.tenant, o.first
-                  FROM queen.tenant_usage u
+          FROM (SELECT c.tenant, o.first
+                  FROM unnest(v_cand) AS c(tenant)
                  CROSS JOIN LATERAL (
                         SELECT t.deliver_at AS first
                           FROM queen.timers t
-                         -- tenant = u.tenant, as row comparisons: an equality would let
-                         -- the planner walk timers_deliver_at_idx filtering on the tenant
-                         -- (all of another tenant's backlog); (tenant, deliver_at) order
-                         -- only timers_tenant_deliver_at_idx gives, bounded on both sides
-                         WHERE (t.tenant, t.deliver_at) >= (u.tenant, '-infinity'::timestamptz)
-                           AND (t.tenant, t.deliver_at) <= (u.tenant, coalesce(p_now, now()))
+                         WHERE (t.tenant, t.deliver_at) >= (c.tenant, '-infinity'::timestamptz)
+                           AND (t.tenant, t.deliver_at) <= (c.tenant, v_now)
                            AND NOT t.payload_zstd
                          ORDER BY t.tenant, t.deliver_at
                          LIMIT 1) o
-                 WHERE u.pending_timers > 0
-                   AND u.tenant <> ALL (coalesce(p_except, '{}'))
-                 ORDER BY o.first, u.tenant
+                 ORDER BY o.first, c.tenant
                  LIMIT greatest(p_limit, 0)) d
     );
 END
@@ -230,19 +248,63 @@ $$;
 -- order, SKIP LOCKED) deleted and their frames appended, answered as fire
 -- results. Either the p_limit oldest due rows of the cell (p_tenants NULL)
 -- or the p_share oldest due rows of each tenant of p_tenants. A txn already
--- in its partition raises unique_violation (nothing of the batch stays).
--- Internal to queen.fire_due_batch.
+-- in its partition raises unique_violation (nothing of the batch stays);
+-- with p_redo it answers 'duplicate' instead (the slower statement of
+-- queen.fire_due_timers' redo). Internal to queen.fire_due_batch.
 CREATE FUNCTION queen.fire_due_rows(
     p_limit   integer,
     p_now     timestamptz,
     p_tenants text[]  DEFAULT NULL,
-    p_share   integer DEFAULT NULL)
+    p_share   integer DEFAULT NULL,
+    p_redo    boolean DEFAULT false)
 RETURNS queen.fire_result[]
 LANGUAGE plpgsql AS $$
 DECLARE
-    v_now timestamptz := coalesce(p_now, now());
-    v_out queen.fire_result[];
+    v_now  timestamptz := coalesce(p_now, now());
+    v_out  queen.fire_result[];
+    v_rows queen.timers[];
 BEGIN
+    IF p_redo THEN
+        -- the same rows, each frame through append_timer_frames (ON CONFLICT:
+        -- a txn already in its partition answers 'duplicate'; it appends the
+        -- counter decrements itself)
+        WITH due AS (
+            SELECT o.row_id
+              FROM (SELECT t.ctid AS row_id
+                      FROM queen.timers t
+                     WHERE p_tenants IS NULL
+                       AND t.deliver_at <= v_now
+                       AND NOT t.payload_zstd
+                       AND NOT queen.timer_is_claimed(t.lease_until, v_now)
+                     ORDER BY t.deliver_at
+                     LIMIT greatest(p_limit, 0)
+                       FOR UPDATE SKIP LOCKED) o
+            UNION ALL
+            SELECT s.row_id
+              FROM unnest(p_tenants) AS tn(tenant)
+             CROSS JOIN LATERAL (
+                    SELECT t.ctid AS row_id
+                      FROM queen.timers t
+                     WHERE (t.tenant, t.deliver_at) >= (tn.tenant, '-infinity'::timestamptz)
+                       AND (t.tenant, t.deliver_at) <= (tn.tenant, v_now)
+                       AND NOT t.payload_zstd
+                       AND NOT queen.timer_is_claimed(t.lease_until, v_now)
+                     ORDER BY t.tenant, t.deliver_at
+                     LIMIT greatest(p_share, 0)
+                       FOR UPDATE SKIP LOCKED) s
+        ), gone AS (
+            DELETE FROM queen.timers t USING due d
+             WHERE t.ctid = d.row_id
+            RETURNING t.*
+        )
+        SELECT array_agg(gone) INTO v_rows FROM gone;
+        IF v_rows IS NOT NULL THEN
+            SELECT array_agg(r ORDER BY r.deliver_at, r.message_id) INTO v_out
+              FROM queen.append_timer_frames(v_rows, NULL) r;
+        END IF;
+        RETURN v_out;
+    END IF;
+
     WITH due AS (
         SELECT o.row_id
           FROM (SELECT t.ctid AS row_id
@@ -310,12 +372,14 @@ $$;
 -- tenants with due rows) of its own oldest (at most p_limit such tenants,
 -- the longest waiting first): a batch holds at most 2 * p_limit rows.
 -- p_fair_after_ms NULL: expiry order only. No subtransaction; a duplicate
--- txn raises unique_violation. Answers in expiry order. Internal to
+-- txn raises unique_violation (p_redo: answers 'duplicate', and the
+-- counter decrements are appended). Answers in expiry order. Internal to
 -- queen.fire_due_timers.
 CREATE FUNCTION queen.fire_due_batch(
     p_limit          integer,
     p_now            timestamptz,
-    p_fair_after_ms  integer DEFAULT 100)
+    p_fair_after_ms  integer DEFAULT 100,
+    p_redo           boolean DEFAULT false)
 RETURNS queen.fire_result[]
 LANGUAGE plpgsql AS $$
 DECLARE
@@ -325,7 +389,7 @@ DECLARE
     v_tenants text[];
     v_more    queen.fire_result[];
 BEGIN
-    v_out := queen.fire_due_rows(p_limit, v_now);
+    v_out := queen.fire_due_rows(p_limit, v_now, p_redo => p_redo);
     IF p_fair_after_ms IS NULL OR coalesce(cardinality(v_out), 0) < greatest(p_limit, 1)
        OR v_out[1].deliver_at > v_now - greatest(p_fair_after_ms, 0) * interval '1 millisecond' THEN
         RETURN v_out;  -- every due row it could take, or the fire keeps up
@@ -336,7 +400,7 @@ BEGIN
         RETURN v_out;
     END IF;
     v_more := queen.fire_due_rows(p_limit, v_now, v_tenants,
-                                  greatest(1, p_limit / (cardinality(v_tenants) + cardinality(v_in))));
+                                  greatest(1, p_limit / (cardinality(v_tenants) + cardinality(v_in))), p_redo);
     IF v_more IS NOT NULL THEN
         SELECT array_agg(o ORDER BY o.deliver_at, o.message_id) INTO v_out FROM unnest(v_out || v_more) o;
     END IF;
@@ -369,7 +433,6 @@ LANGUAGE plpgsql AS $$
 DECLARE
     v_now  timestamptz := coalesce(p_now, now());
     v_out  queen.fire_result[];
-    v_rows queen.timers[];
 BEGIN
     IF (queen.get_cell_settings()).fire_paused THEN
         RETURN;
@@ -380,25 +443,8 @@ BEGIN
         BEGIN
             v_out := queen.fire_due_batch(p_limit, v_now, p_fair_after_ms);
         EXCEPTION WHEN unique_violation THEN
-            v_out := NULL;
-            WITH due AS (
-                SELECT t.tenant, t.queue, t.timer_key
-                  FROM queen.timers t
-                 WHERE t.deliver_at <= v_now
-                   AND NOT t.payload_zstd
-                   AND NOT queen.timer_is_claimed(t.lease_until, v_now)
-                 ORDER BY t.deliver_at
-                 LIMIT greatest(p_limit, 0)
-                   FOR UPDATE SKIP LOCKED
-            ), gone AS (
-                DELETE FROM queen.timers t USING due d
-                 WHERE (t.tenant, t.queue, t.timer_key) = (d.tenant, d.queue, d.timer_key)
-                RETURNING t.*
-            )
-            SELECT array_agg(gone) INTO v_rows FROM gone;
-            IF v_rows IS NOT NULL THEN
-                RETURN QUERY SELECT * FROM queen.append_timer_frames(v_rows, NULL);
-            END IF;
+            -- the batch again (shares included), with the 'duplicate' answers
+            RETURN QUERY SELECT * FROM unnest(queen.fire_due_batch(p_limit, v_now, p_fair_after_ms, p_redo => true));
             RETURN;
         END;
     END IF;

@@ -3,7 +3,7 @@
 -- (queen.find_due_tenants, queen.fire_due_batch), so one tenant's backlog
 -- does not hold another tenant's timers until it is fired.
 BEGIN;
-SELECT plan(38);
+SELECT plan(50);
 
 CREATE FUNCTION pg_temp.t0() RETURNS timestamptz LANGUAGE sql AS $$ SELECT '2030-01-01 00:00:00+00'::timestamptz $$;
 CREATE FUNCTION pg_temp.at(p_seconds numeric) RETURNS timestamptz LANGUAGE sql AS $$ SELECT pg_temp.t0() + p_seconds * interval '1 second' $$;
@@ -40,6 +40,22 @@ SELECT is(queen.find_due_tenants(pg_temp.at(10), 1), ARRAY['fair-a'], 'at most p
 SELECT is(queen.find_due_tenants(pg_temp.at(10), 10, ARRAY['fair-a']), ARRAY['fair-b'], 'none of p_except');
 SELECT is(queen.find_due_tenants(pg_temp.at(0.2), 10), ARRAY['fair-a'], 'fair-b is not due yet at t0 + 0.2 s');
 SELECT is(queen.find_due_tenants(pg_temp.at(10), 0), NULL, 'p_limit 0: none');
+
+-- ---------------------------------------------------------------- a duplicate txn in a share
+-- (t0 - 200 s .. t0 - 140 s: none of the timers below is due yet) dup-b's txn-db1 fired once, then
+-- scheduled again under the same key: the second fire finds it in its partition
+SELECT is(pg_temp.sched('dup-b', 'db', 1, -200000), 1::bigint, 'setup: dup-b''s db01 (txn-db1)');
+SELECT is((SELECT string_agg(outcome, ',') FROM queen.fire_due_timers(10, pg_temp.at(-195))), 'fired', 'fired once');
+SELECT is(pg_temp.sched('dup-a', 'da', 5, -160000) + pg_temp.sched('dup-b', 'db', 1, -150000), 6::bigint,
+          'setup: dup-a 5 due 160 s before t0; db01 again (txn-db1 again), 150 s before t0');
+SELECT throws_ok($$SELECT * FROM queen.fire_due_timers(3, pg_temp.at(-140), p_redo_duplicates => false)$$, '23505', NULL,
+                 'without the redo, the share''s duplicate txn fails the whole batch');
+SELECT results_eq($$SELECT timer_key, outcome FROM queen.fire_due_timers(3, pg_temp.at(-140))$$,
+                  $$VALUES ('da01', 'fired'), ('da02', 'fired'), ('da03', 'fired'), ('db01', 'duplicate')$$,
+                  'the redo: the cell''s 3 oldest fired, and dup-b''s share answered duplicate');
+SELECT is((SELECT count(*) FROM queen.fire_due_timers(100, pg_temp.at(-140))), 2::bigint, 'the rest of dup-a''s');
+SELECT is(queen.get_pending_timers('dup-a') + queen.get_pending_timers('dup-b'), 0::bigint,
+          'the counters agree: each decrement appended once');
 
 -- ---------------------------------------------------------------- expiry order while the fire keeps up
 -- (no savepoint: pgTAP's own records would roll back with it) ord-a's 20 and ord-b's one, due
@@ -121,6 +137,18 @@ SELECT is((SELECT count(DISTINCT claim_id) FROM c1), 1::bigint, 'under one claim
 SELECT results_eq($$SELECT outcome, count(*) FROM queen.fire_timers((SELECT claim_id FROM c1 LIMIT 1),
                       (SELECT array_agg(ROW(tenant, queue, timer_key, NULL)::queen.fire_frame) FROM c1)) GROUP BY 1$$,
                   $$VALUES ('fired', 5::bigint)$$, 'fire_timers fires all five under that claim');
+
+-- ---------------------------------------------------------------- at most 64 candidates a call, in turn
+SELECT is((SELECT sum(pg_temp.sched('rot-' || lpad(g::text, 3, '0'), 'r', 1, 1)) FROM generate_series(1, 70) g), 70::numeric,
+          'setup: 70 tenants with one due timer each');
+SELECT set_config('queen.fire_turn', 'rot-', false);  -- the session's turn: just before them
+CREATE TEMP TABLE r1 AS SELECT unnest(queen.find_due_tenants(pg_temp.at(10), 1000)) AS tenant;
+SELECT is((SELECT count(*) FROM r1), 64::bigint, 'a call probes at most 64 tenants: rot-001 to rot-064');
+SELECT is(current_setting('queen.fire_turn'), 'rot-064', 'the session keeps the last one probed');
+CREATE TEMP TABLE r2 AS SELECT unnest(queen.find_due_tenants(pg_temp.at(10), 1000)) AS tenant;
+SELECT is((SELECT string_agg(tenant, ',' ORDER BY tenant) FROM r2 WHERE tenant > 'rot-064'), 'rot-065,rot-066,rot-067,rot-068,rot-069,rot-070',
+          'the next call starts after it, then wraps round to the first ones');
+SELECT is((SELECT count(*) FROM (SELECT tenant FROM r1 UNION SELECT tenant FROM r2) x), 70::bigint, 'two calls: every one of the 70');
 
 SELECT * FROM finish();
 ROLLBACK;
