@@ -249,6 +249,9 @@ def main() -> int:
                     help="conns: processes of 64 connections sending requests answered at once")
     ap.add_argument("--fairness-backlogs", default="20000,100000,1000000",
                     help="fairness: sizes of tenant A's backlog due at one instant, comma list")
+    ap.add_argument("--fairness-idle-tenants", type=int, default=1000,
+                    help="fairness: then the largest backlog again, with this many other tenants holding "
+                         "one future timer each (the candidates the fire probes in turn; 0: skip)")
     ap.add_argument("--pgb-rate", type=int, default=1000, help="pgbouncer: timers/s becoming due")
     ap.add_argument("--pgb-seconds", type=float, default=20, help="pgbouncer: seconds of load per round")
     ap.add_argument("--pgb-rounds", type=int, default=2, help="pgbouncer: rounds per set-up, alternating")
@@ -270,6 +273,7 @@ def main() -> int:
         args.conns_sockets, args.conns_slow, args.conns_seconds = 1500, 600, 4
         args.pgb_seconds, args.pgb_rounds = 5, 1
         args.fairness_backlogs = "5000"
+        args.fairness_idle_tenants = 100
         args.patroni_seconds = 20
         args.failover_seconds = 10
         args.retention_n, args.retention_backlog = 5000, 100000
@@ -336,7 +340,7 @@ def main() -> int:
         section("conns", conns.bench_conns, url, res, args.conns_sockets, args.conns_slow, args.conns_seconds,
                 args.conns_delete_rate, args.conns_cheap_clients)
         section("fairness", fairness.bench_fairness, url, res,
-                [int(x) for x in args.fairness_backlogs.split(",") if x.strip()])
+                [int(x) for x in args.fairness_backlogs.split(",") if x.strip()], args.fairness_idle_tenants)
         section("pgbouncer", pgbouncer.bench_pgbouncer, cluster, url, res, args.pgb_rate, args.pgb_seconds,
                 args.pgb_rounds)
         section("rss", scale.bench_rss, cluster, url, res, args.rss_n, args.rss_zstd_n, args.rss_zstd_bytes,
