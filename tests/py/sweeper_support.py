@@ -70,20 +70,20 @@ def timer(queue: str, key: str, delay_ms: int, payload: bytes, *, txn: str | Non
 
 
 SCHEDULE_SQL = """
-SELECT * FROM queen.schedule_timers('default', (
+SELECT * FROM queen.schedule_timers(%s, (
     SELECT array_agg(ROW('schedule', u.q, u.k, u.d, u.t, u.p, u.part, u.z, false, u.r)::queen.timer_op ORDER BY u.n)
       FROM unnest(%s::text[], %s::text[], %s::bigint[], %s::text[], %s::bytea[], %s::text[], %s::boolean[],
                   %s::integer[]) WITH ORDINALITY AS u(q, k, d, t, p, part, z, r, n)))
 """
 
 
-def schedule(conn, timers: list[dict]) -> list[dict]:
-    """queen.schedule_timers in batches of 256; returns every verdict."""
+def schedule(conn, timers: list[dict], tenant: str = "default") -> list[dict]:
+    """queen.schedule_timers for tenant in batches of 256; returns every verdict."""
     out: list[dict] = []
     for i in range(0, len(timers), BATCH):
         chunk = timers[i:i + BATCH]
         cols = [[t[f] for t in chunk] for f in ("queue", "key", "delay", "txn", "payload", "partition", "zstd", "raw")]
-        rows = conn.execute(SCHEDULE_SQL, cols).fetchall()
+        rows = conn.execute(SCHEDULE_SQL, [tenant, *cols]).fetchall()
         assert all(r["ok"] for r in rows), rows
         out.extend(rows)
     return out

@@ -4,15 +4,10 @@ tenant a full, late batch left out)."""
 
 from __future__ import annotations
 
-from sweeper_support import sdb, sweeper_broker, timer_count, wait_until, zstd  # noqa: F401  (fixtures)
+from sweeper_support import (  # noqa: F401  (fixtures)
+    BATCH, schedule, sdb, sweeper_broker, timer, timer_count, wait_until,
+)
 
-BATCH = 256
-SCHEDULE_DUE = """
-SELECT count(*) AS n FROM queen.schedule_timers(%(tenant)s, (
-    SELECT array_agg(ROW('schedule', 'fair', %(tenant)s || '-' || g, %(delay)s::bigint, 'txn-' || %(tenant)s || '-' || g,
-                         %(payload)s::bytea, NULL, %(zstd)s, false, %(raw)s::integer)::queen.timer_op ORDER BY g)
-      FROM generate_series(%(first)s::int, %(last)s::int) g))
-"""
 # the log in append order: seq is the log's identity, one broker fires batch after batch
 LOG_ORDER = """
 SELECT q.tenant FROM queen.messages m
@@ -24,16 +19,12 @@ SELECT q.tenant FROM queen.messages m
 def schedule_due(conn, tenant: str, n: int, delay_ms: int, compressed: bool = False) -> None:
     """n timers of tenant, all due delay_ms from now (negative: already due), through schedule_timers;
     compressed: their payload stored as zstd (the leased path's)."""
-    payload = {"payload": zstd(b"{}"), "zstd": True, "raw": 2} if compressed else {"payload": b"{}", "zstd": False, "raw": None}
-    for first in range(1, n + 1, BATCH):
-        last = min(first + BATCH - 1, n)
-        row = conn.execute(SCHEDULE_DUE, {"tenant": tenant, "delay": delay_ms, "first": first, "last": last,
-                                          **payload}).fetchone()
-        assert row["n"] == last - first + 1
+    schedule(conn, [timer("fair", f"{tenant}-{g}", delay_ms, b"{}", compressed=compressed) for g in range(n)],
+             tenant=tenant)
 
 
 def fire_all(sdb, sweeper_broker) -> list[str]:
-    sweeper_broker(QUEEN_SWEEPER_BATCH=BATCH)
+    sweeper_broker(QUEEN_SWEEPER_BATCH=BATCH)  # the helper's schedule batch too
     sdb.execute("SELECT queen.resume_fire()")
     wait_until(lambda: timer_count(sdb) == 0, 120, message="every timer fired")
     return [r["tenant"] for r in sdb.execute(LOG_ORDER).fetchall()]
