@@ -1421,7 +1421,7 @@ BEGIN
 END
 $$;
 
--- The claim's one statement: up to p_limit due rows, in expiry order,
+-- The claim's statements: up to p_limit due rows, in expiry order,
 -- SKIP LOCKED, leased to p_broker under p_claim for p_lease_ms and answered
 -- in expiry order. Either the cell's oldest (p_tenants NULL; p_zstd_only:
 -- zstd rows only) or the p_share oldest zstd rows of each tenant of
@@ -1443,52 +1443,55 @@ CREATE FUNCTION queen.claim_due_rows(
     p_share     integer DEFAULT NULL)
 RETURNS SETOF queen.claimed_timer
 LANGUAGE plpgsql SET plan_cache_mode = force_custom_plan AS $$
+DECLARE
+    v_ids tid[];
 BEGIN
+    -- Two statements, as queen.fire_due_rows: the rows chosen, locked and
+    -- bounded by bytes (one of two plain statements), then leased by ctid.
+    IF p_tenants IS NULL THEN
+        SELECT array_agg(d.row_id) INTO v_ids
+          FROM (SELECT d.row_id, coalesce(sum(d.bytes) OVER (ORDER BY d.deliver_at, d.tenant, d.queue, d.timer_key
+                                                ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING), 0) AS before
+                  FROM (SELECT t.ctid AS row_id, t.tenant, t.queue, t.timer_key, t.deliver_at,
+                               octet_length(t.payload) AS bytes
+                          FROM queen.timers t
+                         WHERE t.deliver_at <= p_now  -- octet_length: the TOAST header, not the bytes
+                           AND NOT queen.timer_is_claimed(t.lease_until, p_now)
+                           AND (t.payload_zstd OR NOT p_zstd_only)
+                         ORDER BY t.deliver_at
+                         LIMIT greatest(p_limit, 0)
+                           FOR UPDATE SKIP LOCKED) d) d
+         WHERE p_max_bytes IS NULL OR d.before < greatest(p_max_bytes, 1);
+    ELSE
+        -- the shares go round the tenants under the byte bound: every
+        -- tenant's oldest before anyone's second
+        SELECT array_agg(d.row_id) INTO v_ids
+          FROM (SELECT d.row_id, coalesce(sum(d.bytes) OVER (ORDER BY d.turn, d.deliver_at, d.tenant, d.queue, d.timer_key
+                                                ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING), 0) AS before
+                  FROM (SELECT s.*, row_number() OVER (PARTITION BY s.tenant ORDER BY s.deliver_at, s.queue, s.timer_key) AS turn
+                          FROM unnest(p_tenants) AS tn(tenant)
+                         CROSS JOIN LATERAL (
+                                SELECT t.ctid AS row_id, t.tenant, t.queue, t.timer_key, t.deliver_at,
+                                       octet_length(t.payload) AS bytes
+                                  FROM queen.timers t
+                                 WHERE (t.tenant, t.deliver_at) >= (tn.tenant, '-infinity'::timestamptz)  -- see find_due_tenants
+                                   AND (t.tenant, t.deliver_at) <= (tn.tenant, p_now)
+                                   AND t.payload_zstd
+                                   AND NOT queen.timer_is_claimed(t.lease_until, p_now)
+                                 ORDER BY t.tenant, t.deliver_at
+                                 LIMIT greatest(p_share, 0)
+                                   FOR UPDATE SKIP LOCKED) s) d) d
+         WHERE p_max_bytes IS NULL OR d.before < greatest(p_max_bytes, 1);
+    END IF;
+    IF v_ids IS NULL THEN
+        RETURN;
+    END IF;
     RETURN QUERY
-    WITH due AS (
-        -- octet_length of a stored bytea reads its TOAST header, not the bytes
-        SELECT o.*
-          FROM (SELECT t.tenant, t.queue, t.timer_key, t.deliver_at, octet_length(t.payload) AS bytes
-                  FROM queen.timers t
-                 WHERE p_tenants IS NULL
-                   AND t.deliver_at <= p_now
-                   AND NOT queen.timer_is_claimed(t.lease_until, p_now)
-                   AND (t.payload_zstd OR NOT p_zstd_only)
-                 ORDER BY t.deliver_at
-                 LIMIT greatest(p_limit, 0)
-                   FOR UPDATE SKIP LOCKED) o
-        UNION ALL
-        SELECT s.*
-          FROM unnest(p_tenants) AS tn(tenant)
-         CROSS JOIN LATERAL (
-                SELECT t.tenant, t.queue, t.timer_key, t.deliver_at, octet_length(t.payload) AS bytes
-                  FROM queen.timers t
-                 WHERE (t.tenant, t.deliver_at) >= (tn.tenant, '-infinity'::timestamptz)  -- see find_due_tenants
-                   AND (t.tenant, t.deliver_at) <= (tn.tenant, p_now)
-                   AND t.payload_zstd
-                   AND NOT queen.timer_is_claimed(t.lease_until, p_now)
-                 ORDER BY t.tenant, t.deliver_at
-                 LIMIT greatest(p_share, 0)
-                   FOR UPDATE SKIP LOCKED) s
-    ), turns AS (
-        -- the shares go round the tenants under the byte bound: every tenant's
-        -- oldest before anyone's second (the cell's oldest: expiry order)
-        SELECT d.*, CASE WHEN p_tenants IS NULL THEN 1
-                         ELSE row_number() OVER (PARTITION BY d.tenant ORDER BY d.deliver_at, d.queue, d.timer_key)
-                    END AS turn
-          FROM due d
-    ), fit AS (
-        SELECT d.tenant, d.queue, d.timer_key
-          FROM (SELECT d.*, coalesce(sum(d.bytes) OVER (ORDER BY d.turn, d.deliver_at, d.tenant, d.queue, d.timer_key
-                                                        ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING), 0) AS before
-                  FROM turns d) d
-         WHERE p_max_bytes IS NULL OR d.before < greatest(p_max_bytes, 1)
-    ), claimed AS (
+    WITH claimed AS (
         UPDATE queen.timers t
            SET claim_id = p_claim, claimed_by = p_broker,
                lease_until = p_now + greatest(p_lease_ms, 1) * interval '1 millisecond'
-          FROM fit due
-         WHERE (t.tenant, t.queue, t.timer_key) = (due.tenant, due.queue, due.timer_key)
+         WHERE t.ctid = ANY (v_ids)
         RETURNING t.tenant, t.queue, t.timer_key, t.partition, t.deliver_at, t.lease_until,
                   t.txn, t.message_id, t.payload, t.payload_zstd, t.encrypted, t.attempts
     )
@@ -1676,7 +1679,7 @@ BEGIN
 END
 $$;
 
--- The fast path's one statement, with no subtransaction: due rows (expiry
+-- The fast path's statements, with no subtransaction: due rows (expiry
 -- order, SKIP LOCKED) deleted and their frames appended, answered as fire
 -- results. Either the p_limit oldest due rows of the cell (p_tenants NULL)
 -- or the p_share oldest due rows of each tenant of p_tenants. A txn already
@@ -1693,63 +1696,26 @@ RETURNS queen.fire_result[]
 LANGUAGE plpgsql AS $$
 DECLARE
     v_now  timestamptz := coalesce(p_now, now());
+    v_ids  tid[];
     v_out  queen.fire_result[];
     v_rows queen.timers[];
 BEGIN
-    IF p_redo THEN
-        -- the same rows, each frame through append_timer_frames (ON CONFLICT:
-        -- a txn already in its partition answers 'duplicate'; it appends the
-        -- counter decrements itself)
-        WITH due AS (
-            SELECT o.row_id
-              FROM (SELECT t.ctid AS row_id
-                      FROM queen.timers t
-                     WHERE p_tenants IS NULL
-                       AND t.deliver_at <= v_now
-                       AND NOT t.payload_zstd
-                       AND NOT queen.timer_is_claimed(t.lease_until, v_now)
-                     ORDER BY t.deliver_at
-                     LIMIT greatest(p_limit, 0)
-                       FOR UPDATE SKIP LOCKED) o
-            UNION ALL
-            SELECT s.row_id
-              FROM unnest(p_tenants) AS tn(tenant)
-             CROSS JOIN LATERAL (
-                    SELECT t.ctid AS row_id
-                      FROM queen.timers t
-                     WHERE (t.tenant, t.deliver_at) >= (tn.tenant, '-infinity'::timestamptz)
-                       AND (t.tenant, t.deliver_at) <= (tn.tenant, v_now)
-                       AND NOT t.payload_zstd
-                       AND NOT queen.timer_is_claimed(t.lease_until, v_now)
-                     ORDER BY t.tenant, t.deliver_at
-                     LIMIT greatest(p_share, 0)
-                       FOR UPDATE SKIP LOCKED) s
-        ), gone AS (
-            DELETE FROM queen.timers t USING due d
-             WHERE t.ctid = d.row_id
-            RETURNING t.*
-        )
-        SELECT array_agg(gone) INTO v_rows FROM gone;
-        IF v_rows IS NOT NULL THEN
-            SELECT array_agg(r ORDER BY r.deliver_at, r.message_id) INTO v_out
-              FROM queen.append_timer_frames(v_rows, NULL) r;
-        END IF;
-        RETURN v_out;
-    END IF;
-
-    WITH due AS (
-        SELECT o.row_id
+    -- Two statements: the rows chosen and locked (one of two plain ones),
+    -- then deleted by ctid and fired. One statement with both choices as a
+    -- UNION ALL planned both at every call: +0.3 ms a batch, which the
+    -- sweeper's small batches (a few timers due at a time) paid in fire lag.
+    IF p_tenants IS NULL THEN
+        SELECT array_agg(o.row_id) INTO v_ids
           FROM (SELECT t.ctid AS row_id
                   FROM queen.timers t
-                 WHERE p_tenants IS NULL
-                   AND t.deliver_at <= v_now
+                 WHERE t.deliver_at <= v_now
                    AND NOT t.payload_zstd
                    AND NOT queen.timer_is_claimed(t.lease_until, v_now)
                  ORDER BY t.deliver_at
                  LIMIT greatest(p_limit, 0)
-                   FOR UPDATE SKIP LOCKED) o
-        UNION ALL
-        SELECT s.row_id
+                   FOR UPDATE SKIP LOCKED) o;
+    ELSE
+        SELECT array_agg(s.row_id) INTO v_ids
           FROM unnest(p_tenants) AS tn(tenant)
          CROSS JOIN LATERAL (
                 SELECT t.ctid AS row_id
@@ -1760,16 +1726,32 @@ BEGIN
                    AND NOT queen.timer_is_claimed(t.lease_until, v_now)
                  ORDER BY t.tenant, t.deliver_at
                  LIMIT greatest(p_share, 0)
-                   FOR UPDATE SKIP LOCKED) s
-    ), gone AS (
-        -- by the locked row's ctid: one TID fetch per row. A join on the key
-        -- let the cached plan hash the whole table (a seq scan of every
-        -- pending timer per batch: bench/RESULTS.md). A row another
-        -- transaction updated after this statement's snapshot is not deleted
-        -- (its new version is not the snapshot's): it stays for a later batch.
-        DELETE FROM queen.timers t USING due d
-         WHERE t.ctid = d.row_id
-        RETURNING t.*
+                   FOR UPDATE SKIP LOCKED) s;
+    END IF;
+    IF v_ids IS NULL THEN
+        RETURN NULL;
+    END IF;
+    IF p_redo THEN
+        -- each frame through append_timer_frames (ON CONFLICT: a txn already
+        -- in its partition answers 'duplicate'; it appends the counter
+        -- decrements itself)
+        WITH gone AS (
+            DELETE FROM queen.timers t WHERE t.ctid = ANY (v_ids) RETURNING t.*
+        )
+        SELECT array_agg(gone) INTO v_rows FROM gone;
+        IF v_rows IS NOT NULL THEN
+            SELECT array_agg(r ORDER BY r.deliver_at, r.message_id) INTO v_out
+              FROM queen.append_timer_frames(v_rows, NULL) r;
+        END IF;
+        RETURN v_out;
+    END IF;
+    WITH gone AS (
+        -- by the locked rows' ctids: one TID fetch per row (a join on the key
+        -- let a cached plan hash the whole table: bench/RESULTS.md). This
+        -- statement's snapshot is newer than the lock, and the lock holds
+        -- every row as it was locked (an update before the lock: its newest
+        -- version, whose ctid the lock answered).
+        DELETE FROM queen.timers t WHERE t.ctid = ANY (v_ids) RETURNING t.*
     ), parts AS (
         -- every destination partition (of the timer's tenant's queue), created
         -- on first use; no lock (see queen.messages)
@@ -1847,7 +1829,7 @@ $$;
 -- behind a backlog (a full batch whose oldest row was due p_fair_after_ms
 -- ago or more) the tenants it left out get their share of the batch too
 -- (queen.fire_due_batch).
--- The common case is one statement with a plain INSERT (no join back from
+-- The common case is a statement with a plain INSERT (no join back from
 -- the log, no ON CONFLICT arbiter: together they halved the fire rate),
 -- queen.fire_due_rows. A txn already in its partition raises
 -- unique_violation there. With p_redo_duplicates (the default) the batch
