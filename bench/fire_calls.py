@@ -26,7 +26,7 @@ import psycopg
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
 from fire_sessions import build_db  # noqa: E402
-from harness import Cluster, log  # noqa: E402
+from harness import Cluster, load_timers, log  # noqa: E402
 from queen_timers.sweeper import CLAIM, FIRE_DUE, NEXT_DUE  # noqa: E402
 
 QUEUE = "calls"
@@ -37,19 +37,13 @@ def measure(url: str, calls: int, due: int) -> dict[str, list[float]]:
     with psycopg.connect(url, autocommit=True) as conn:
         conn.execute("TRUNCATE queen.timers, queen.messages, queen.tenant_usage, queen.tenant_usage_deltas")
         conn.execute("SELECT queen.configure_queue('default', %s)", (QUEUE,))
-        conn.execute("""
-            INSERT INTO queen.timers (tenant, queue, timer_key, partition, deliver_at, txn, message_id, payload)
-            SELECT 'default', %s, 'f-' || g, 'Default', now() + interval '1 hour' + g * interval '3 ms', 'f-' || g,
-                   gen_random_uuid(), '\\x7b7d' FROM generate_series(1, 20000) g""", (QUEUE,))
-        conn.execute("SELECT queen.bump_tenant_usage('default', 20000, 0)")
+        load_timers(conn, queue=QUEUE, n=20000, prefix="f", expected=False,
+                    deliver_sql="now() + interval '1 hour' + g * interval '3 ms'")
         conn.execute("VACUUM ANALYZE queen.timers")
         took: dict[str, list[float]] = {name: [] for name in STATEMENTS}
         for i in range(calls):
-            conn.execute("""
-                INSERT INTO queen.timers (tenant, queue, timer_key, partition, deliver_at, txn, message_id, payload)
-                SELECT 'default', %s, 'k-' || %s || '-' || g, 'Default', now() - interval '1 ms',
-                       'k-' || %s || '-' || g, gen_random_uuid(), '\\x7b7d' FROM generate_series(1, %s) g""",
-                         (QUEUE, i, i, due))
+            load_timers(conn, queue=QUEUE, n=due, prefix=f"k-{i}", expected=False,
+                        deliver_sql="now() - interval '1 ms'")
             t0 = time.perf_counter()
             fired = conn.execute(FIRE_DUE, (256,)).fetchone()
             t1 = time.perf_counter()
