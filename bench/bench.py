@@ -249,9 +249,9 @@ def main() -> int:
                     help="conns: processes of 64 connections sending requests answered at once")
     ap.add_argument("--fairness-backlogs", default="20000,100000,1000000",
                     help="fairness: sizes of tenant A's backlog due at one instant, comma list")
-    ap.add_argument("--fairness-idle-tenants", type=int, default=1000,
+    ap.add_argument("--fairness-idle-tenants", type=int, default=10000,
                     help="fairness: then the largest backlog again, with this many other tenants holding "
-                         "one future timer each (the candidates the fire probes in turn; 0: skip)")
+                         "one timer each due tomorrow (not probed since migration 019; 0: skip)")
     ap.add_argument("--pgb-rate", type=int, default=1000, help="pgbouncer: timers/s becoming due")
     ap.add_argument("--pgb-seconds", type=float, default=20, help="pgbouncer: seconds of load per round")
     ap.add_argument("--pgb-rounds", type=int, default=2, help="pgbouncer: rounds per set-up, alternating")

@@ -38,12 +38,21 @@ CREATE TABLE queen.tenants (
 -- schedule creating rows) are written here, under this row's lock, which
 -- also serialises the quota decisions of one tenant; decrements (fire,
 -- cancel, DLQ move) go to the delta table, so they never wait on this row.
+-- next_due_at is a lower bound of the deliver_at of every timer row of the
+-- tenant (plain or zstd, leased or not): a schedule lowers it under this
+-- row's lock (queen.bump_tenant_usage), and only the fire's fair share
+-- raises it, to the tenant's true earliest, for a tenant it probed and
+-- found with nothing due (queen.find_due_tenants). So the fire's shares
+-- look only at tenants that may have due timers, however many are idle.
 CREATE TABLE queen.tenant_usage (
     tenant              text PRIMARY KEY,
     pending_timers      bigint NOT NULL DEFAULT 0,
     billed_messages     bigint NOT NULL DEFAULT 0,
-    updated_at          timestamptz NOT NULL DEFAULT now()
+    updated_at          timestamptz NOT NULL DEFAULT now(),
+    next_due_at         timestamptz NOT NULL DEFAULT '-infinity'
 );
+-- The candidates of the fire's fair share: tenants whose bound has passed.
+CREATE INDEX tenant_usage_next_due_at_idx ON queen.tenant_usage (next_due_at);
 
 -- Append-only decrements of tenant_usage.pending_timers (issue 12): one
 -- row per fire batch and tenant, per cancel, per DLQ move. No index and
@@ -181,21 +190,26 @@ $$;
 -- not per op): takes the row's lock until commit, like every quota
 -- decision of the tenant. For increments and billing; a decrement alone
 -- should go to queen.tenant_usage_deltas instead (it must not queue).
+-- p_first_at: the earliest deliver_at the caller wrote for the tenant;
+-- next_due_at moves down to it (-infinity, the default: the caller does
+-- not know, so the tenant may have due timers).
 -- PL/pgSQL: the statement's plan is cached per session (a SQL function's
 -- body is planned again on every call).
 CREATE FUNCTION queen.bump_tenant_usage(
-    p_tenant  text,
-    p_pending bigint,
-    p_billed  bigint)
+    p_tenant   text,
+    p_pending  bigint,
+    p_billed   bigint,
+    p_first_at timestamptz DEFAULT '-infinity')
 RETURNS void
 LANGUAGE plpgsql AS $$
 BEGIN
-    INSERT INTO queen.tenant_usage AS u (tenant, pending_timers, billed_messages)
-    VALUES (p_tenant, greatest(p_pending, 0), p_billed)
+    INSERT INTO queen.tenant_usage AS u (tenant, pending_timers, billed_messages, next_due_at)
+    VALUES (p_tenant, greatest(p_pending, 0), p_billed, coalesce(p_first_at, '-infinity'))
     ON CONFLICT (tenant) DO UPDATE
         SET pending_timers  = greatest(0, u.pending_timers + p_pending),
             billed_messages = u.billed_messages + p_billed,
-            updated_at      = now();
+            updated_at      = now(),
+            next_due_at     = least(u.next_due_at, coalesce(p_first_at, '-infinity'));
 END
 $$;
 

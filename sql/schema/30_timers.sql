@@ -586,7 +586,7 @@ BEGIN
     -- pending_timers happens under it. A batch that only frees rows (its
     -- cancels) appends its decrement to the delta table, waiting on nobody.
     IF v_pending > 0 OR v_billed <> 0 THEN
-        PERFORM queen.bump_tenant_usage(p_tenant, v_pending, v_billed);
+        PERFORM queen.bump_tenant_usage(p_tenant, v_pending, v_billed, v_first_at);
     ELSIF v_pending < 0 THEN
         INSERT INTO queen.tenant_usage_deltas (tenant, pending_delta) VALUES (p_tenant, v_pending);
     END IF;

@@ -332,13 +332,20 @@ $$;
 -- row is oldest first, at most p_limit of them. The candidates are the
 -- tenants whose usage row counts pending timers (every timer is scheduled
 -- through queen.schedule_timers, which counts it there; the count folds
--- its decrements about once a second, so it is never below the true one),
--- at most 64 a call, taken in turn: the session's setting queen.fire_turn
--- keeps the last one probed, and the next call starts after it (wrapping),
--- so a cell of 10,000 such tenants costs 64 probes a batch, not 10,000
--- (30 ms), and each tenant is probed at least every ceil(N / 64) calls of
--- a session. Each is probed with one descent of timers_tenant_deliver_at_idx
--- (timers_tenant_zstd_deliver_at_idx), so no tenant's backlog is walked.
+-- its decrements about once a second, so it is never below the true one)
+-- and whose next_due_at, a lower bound of their timers' deliver_at, has
+-- passed: a tenant whose timers are all in the future is not looked at,
+-- however many there are. Of those, the 4,096 with the oldest bound
+-- (tenant_usage_next_due_at_idx), 64 a call, taken in turn: the session's
+-- setting queen.fire_turn keeps the last one probed and the next call
+-- starts after it (wrapping). Each is probed with one descent of
+-- timers_tenant_deliver_at_idx (timers_tenant_zstd_deliver_at_idx), so no
+-- tenant's backlog is walked. A candidate found with nothing due has its
+-- bound raised to its earliest timer (infinity: none), so it is not
+-- probed again before then; its usage row is taken FOR UPDATE SKIP LOCKED
+-- before its timers are read, so a schedule of the tenant either committed
+-- before (its rows are read) or lowers the bound after (it waits for the
+-- lock); a row another transaction holds is left as it is.
 -- Internal to queen.fire_due_batch and queen.claim_timers.
 CREATE FUNCTION queen.find_due_tenants(p_now timestamptz, p_limit integer, p_except text[] DEFAULT NULL,
                                        p_zstd boolean DEFAULT false)
@@ -347,19 +354,19 @@ LANGUAGE plpgsql AS $$
 DECLARE
     v_turn text := coalesce(current_setting('queen.fire_turn', true), '');
     v_cand text[];
+    v_due  text[];
+    v_idle text[];
     v_now  timestamptz := coalesce(p_now, now());
 BEGIN
     -- PL/pgSQL, not SQL: its plans are cached (a SQL function is planned at
     -- every call). The next 64 candidates after the last one probed, wrapping.
     SELECT array_agg(c.tenant ORDER BY c.lap, c.tenant) INTO v_cand
-      FROM ((SELECT u.tenant, 1 AS lap FROM queen.tenant_usage u
-              WHERE u.tenant > v_turn AND u.pending_timers > 0 AND u.tenant <> ALL (coalesce(p_except, '{}'))
-              ORDER BY u.tenant LIMIT 64)
-            UNION ALL
-            (SELECT u.tenant, 2 AS lap FROM queen.tenant_usage u
-              WHERE u.tenant <= v_turn AND u.pending_timers > 0 AND u.tenant <> ALL (coalesce(p_except, '{}'))
-              ORDER BY u.tenant LIMIT 64)
-            LIMIT 64) c;
+      FROM (SELECT b.tenant, b.tenant <= v_turn AS lap
+              FROM (SELECT u.tenant FROM queen.tenant_usage u
+                     WHERE u.next_due_at <= v_now AND u.pending_timers > 0
+                       AND u.tenant <> ALL (coalesce(p_except, '{}'))
+                     ORDER BY u.next_due_at LIMIT 4096) b
+             ORDER BY 2, 1 LIMIT 64) c;
     IF v_cand IS NULL THEN
         RETURN NULL;
     END IF;
@@ -370,24 +377,19 @@ BEGIN
     -- backlog; (tenant, deliver_at) order only the tenant-led index gives,
     -- bounded on both sides.)
     IF p_zstd THEN
-        RETURN (
-            SELECT array_agg(d.tenant ORDER BY d.first, d.tenant)
-              FROM (SELECT c.tenant, o.first
-                      FROM unnest(v_cand) AS c(tenant)
-                     CROSS JOIN LATERAL (
-                            SELECT t.deliver_at AS first
-                              FROM queen.timers t
-                             WHERE (t.tenant, t.deliver_at) >= (c.tenant, '-infinity'::timestamptz)
-                               AND (t.tenant, t.deliver_at) <= (c.tenant, v_now)
-                               AND t.payload_zstd
-                             ORDER BY t.tenant, t.deliver_at
-                             LIMIT 1) o
-                     ORDER BY o.first, c.tenant
-                     LIMIT greatest(p_limit, 0)) d
-        );
-    END IF;
-    RETURN (
-        SELECT array_agg(d.tenant ORDER BY d.first, d.tenant)
+        SELECT array_agg(d.tenant ORDER BY d.first, d.tenant) INTO v_due
+          FROM (SELECT c.tenant, o.first
+                  FROM unnest(v_cand) AS c(tenant)
+                 CROSS JOIN LATERAL (
+                        SELECT t.deliver_at AS first
+                          FROM queen.timers t
+                         WHERE (t.tenant, t.deliver_at) >= (c.tenant, '-infinity'::timestamptz)
+                           AND (t.tenant, t.deliver_at) <= (c.tenant, v_now)
+                           AND t.payload_zstd
+                         ORDER BY t.tenant, t.deliver_at
+                         LIMIT 1) o) d;
+    ELSE
+        SELECT array_agg(d.tenant ORDER BY d.first, d.tenant) INTO v_due
           FROM (SELECT c.tenant, o.first
                   FROM unnest(v_cand) AS c(tenant)
                  CROSS JOIN LATERAL (
@@ -397,10 +399,33 @@ BEGIN
                            AND (t.tenant, t.deliver_at) <= (c.tenant, v_now)
                            AND NOT t.payload_zstd
                          ORDER BY t.tenant, t.deliver_at
-                         LIMIT 1) o
-                 ORDER BY o.first, c.tenant
-                 LIMIT greatest(p_limit, 0)) d
-    );
+                         LIMIT 1) o) d;
+    END IF;
+    -- The candidates with nothing due of this kind: lock, then raise their
+    -- bound to their earliest timer of either kind (read after the lock).
+    SELECT array_agg(l.tenant) INTO v_idle
+      FROM (SELECT u.tenant FROM queen.tenant_usage u
+             WHERE u.tenant = ANY (v_cand) AND u.tenant <> ALL (coalesce(v_due, '{}'))
+               FOR UPDATE SKIP LOCKED) l;
+    IF v_idle IS NOT NULL THEN
+        UPDATE queen.tenant_usage u
+           SET next_due_at = f.first
+          FROM (SELECT c.tenant,
+                       coalesce(least(
+                           (SELECT t.deliver_at FROM queen.timers t
+                             WHERE (t.tenant, t.deliver_at) >= (c.tenant, '-infinity'::timestamptz)
+                               AND (t.tenant, t.deliver_at) <= (c.tenant, 'infinity'::timestamptz)
+                               AND NOT t.payload_zstd
+                             ORDER BY t.tenant, t.deliver_at LIMIT 1),
+                           (SELECT t.deliver_at FROM queen.timers t
+                             WHERE (t.tenant, t.deliver_at) >= (c.tenant, '-infinity'::timestamptz)
+                               AND (t.tenant, t.deliver_at) <= (c.tenant, 'infinity'::timestamptz)
+                               AND t.payload_zstd
+                             ORDER BY t.tenant, t.deliver_at LIMIT 1)), 'infinity') AS first
+                  FROM unnest(v_idle) AS c(tenant)) f
+         WHERE u.tenant = f.tenant AND u.next_due_at < f.first;
+    END IF;
+    RETURN CASE WHEN p_limit > 0 THEN v_due[1:p_limit] END;
 END
 $$;
 

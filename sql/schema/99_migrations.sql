@@ -20,4 +20,5 @@ INSERT INTO queen.schema_migrations (version, name) VALUES
     (15, 'stats_pages'),
     (16, 'dlq_bytes'),
     (17, 'schedule_notify'),
-    (18, 'fire_fair_share');
+    (18, 'fire_fair_share'),
+    (19, 'tenant_next_due');

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import threading
 import time
+from datetime import datetime, timedelta, timezone
 
 import psycopg
 import pytest
@@ -281,3 +282,49 @@ def test_two_fair_batches_take_disjoint_rows(db, sessions):
     assert db.execute("SELECT count(*) AS n FROM queen.timers").fetchone()["n"] == 0
     assert db.execute("SELECT count(*) AS n, count(DISTINCT transaction_id || partition_id::text) AS d"
                       " FROM queen.messages").fetchone() == {"n": 12, "d": 12}
+
+
+GLOBEX_ONE = """
+SELECT status FROM queen.schedule_timers('globex', ARRAY[
+    ROW('schedule', 'races', %(key)s, %(delay)s, 'txn-' || %(key)s, '\\x6869'::bytea, NULL, NULL, NULL, NULL)::queen.timer_op])
+"""
+
+
+def globex_bound(db):
+    return db.execute("SELECT next_due_at FROM queen.tenant_usage WHERE tenant = 'globex'").fetchone()["next_due_at"]
+
+
+def test_the_fair_share_passes_over_a_schedule_holding_the_tenant(db, sessions):
+    # find_due_tenants raises the bound (next_due_at) of a tenant it found with nothing due
+    # only under that tenant's usage row lock, taken SKIP LOCKED: a schedule holding the row
+    # (its timer not yet visible) is passed over, never waited for, and its bound is left.
+    first, second = sessions
+    assert db.execute(GLOBEX_ONE, {"key": "tomorrow", "delay": 86_400_000}).fetchone()["status"] == "scheduled"
+    db.execute("UPDATE queen.tenant_usage SET next_due_at = '-infinity' WHERE tenant = 'globex'")
+    assert first.execute(GLOBEX_ONE, {"key": "now", "delay": -1000}).fetchall() == [("scheduled",)]  # not committed
+    second.execute("SET lock_timeout = '10s'")
+    assert second.execute("SELECT queen.find_due_tenants(now(), 10)").fetchone()[0] is None
+    assert db.execute("SELECT next_due_at = '-infinity' AS left_alone FROM queen.tenant_usage "
+                      "WHERE tenant = 'globex'").fetchone()["left_alone"]
+    first.commit()
+    assert second.execute("SELECT queen.find_due_tenants(now(), 10)").fetchone()[0] == ["globex"]
+
+
+def test_a_schedule_waits_for_the_raised_bound_then_lowers_it(db, sessions):
+    # The other order: the fire raised the bound (not committed) from what it read after the
+    # lock; a schedule of an earlier timer waits for that lock, then lowers the bound over the
+    # fire's value, so the tenant is a candidate again as soon as its timer is due.
+    first, second = sessions
+    assert db.execute(GLOBEX_ONE, {"key": "tomorrow", "delay": 86_400_000}).fetchone()["status"] == "scheduled"
+    db.execute("UPDATE queen.tenant_usage SET next_due_at = '-infinity' WHERE tenant = 'globex'")
+    assert first.execute("SELECT queen.find_due_tenants(now(), 10)").fetchone()[0] is None  # not committed
+    raised = first.execute("SELECT next_due_at FROM queen.tenant_usage WHERE tenant = 'globex'").fetchone()[0]
+    assert raised > datetime.now(timezone.utc) + timedelta(hours=23)
+    late = Background(second, GLOBEX_ONE, {"key": "now", "delay": -1000})
+    wait_until_blocked_on_lock(db, pid_of(second))
+    first.commit()
+    assert late.join() == [("scheduled",)]
+    deliver_at = db.execute("SELECT deliver_at FROM queen.timers WHERE tenant = 'globex' AND timer_key = 'now'"
+                            ).fetchone()["deliver_at"]
+    assert globex_bound(db) == deliver_at
+    assert second.execute("SELECT queen.find_due_tenants(now(), 10)").fetchone()[0] == ["globex"]

@@ -23,7 +23,7 @@ SELECT has_table('queen', 'tenant_usage_deltas', 'the delta table exists');
 SELECT is((SELECT count(*) FROM pg_indexes WHERE schemaname = 'queen' AND tablename = 'tenant_usage_deltas'), 0::bigint,
           'it has no index (an INSERT contends on nothing)');
 SELECT is((SELECT l.lanname FROM pg_proc p JOIN pg_language l ON l.oid = p.prolang
-            WHERE p.oid = 'queen.bump_tenant_usage(text, bigint, bigint)'::regprocedure), 'plpgsql',
+            WHERE p.oid = 'queen.bump_tenant_usage(text, bigint, bigint, timestamptz)'::regprocedure), 'plpgsql',
           'bump_tenant_usage is PL/pgSQL (its plan is cached, not made again per call)');
 SELECT throws_ok($$INSERT INTO queen.tenant_usage_deltas VALUES ('dx-a', 1)$$, '23514', NULL,
                  'an increment is refused by the delta table: increments go to the base row');
