@@ -26,7 +26,7 @@ import psycopg
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
 from fire_sessions import build_db  # noqa: E402
-from harness import Cluster, load_timers, log  # noqa: E402
+from harness import Cluster, load_timers, log, pct  # noqa: E402
 from queen_timers.sweeper import CLAIM, FIRE_DUE, NEXT_DUE  # noqa: E402
 
 QUEUE = "calls"
@@ -57,11 +57,6 @@ def measure(url: str, calls: int, due: int) -> dict[str, list[float]]:
         return {name: v[100:] for name, v in took.items()}  # the first calls plan and warm caches
 
 
-def pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(len(ordered) * q))]
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--calls", type=int, default=1500)
@@ -83,7 +78,7 @@ def main() -> None:
                 parts = []
                 for stmt in STATEMENTS:
                     p50s.setdefault((name, stmt), []).append(statistics.median(took[stmt]))
-                    parts.append(f"{stmt} p50 {statistics.median(took[stmt]):.3f} p99 {pct(took[stmt], 0.99):.3f}")
+                    parts.append(f"{stmt} p50 {statistics.median(took[stmt]):.3f} p99 {pct(took[stmt], 99):.3f}")
                 log(f"round {r + 1} {name:8s} ms a call ({args.due} due a call): " + ", ".join(parts))
         for name in targets:
             log(f"{name:8s} median of rounds, p50 ms: "
