@@ -398,6 +398,31 @@ BEGIN
 END
 $$;
 
+-- Whether the first or the last key of p_ops, in key order, is a timer of
+-- p_tenant: two descents of the primary key. queen.schedule_timers asks it
+-- before it tries a batch of schedule ops as a plain INSERT, so that a
+-- batch sent again (every key there) goes straight to the upsert.
+-- enable_seqscan off: PL/pgSQL keeps the plan for the session, and a table
+-- planned while empty (a fresh install, after a TRUNCATE) would be scanned
+-- whole at every call until autovacuum analyzes it.
+CREATE FUNCTION queen.timer_key_ends_exist(p_tenant text, p_ops queen.timer_op[])
+RETURNS boolean
+LANGUAGE plpgsql STABLE SET enable_seqscan = off AS $$
+BEGIN
+    RETURN EXISTS (SELECT 1
+                     FROM ((SELECT x.queue, x.timer_key FROM unnest(p_ops) x
+                             ORDER BY x.queue, x.timer_key COLLATE "C" LIMIT 1)
+                           UNION ALL
+                           (SELECT x.queue, x.timer_key FROM unnest(p_ops) x
+                             ORDER BY x.queue DESC, x.timer_key COLLATE "C" DESC LIMIT 1)) x
+                    CROSS JOIN LATERAL (
+                           SELECT 1 FROM queen.timers t
+                            WHERE t.tenant = p_tenant AND t.queue = x.queue
+                              AND t.timer_key = x.timer_key COLLATE "C"
+                            LIMIT 1) e);
+END
+$$;
+
 -- The batch behind POST /api/v1/timers: shape checks, the gate ladder,
 -- then every operation, one verdict each, in input order. schedule and
 -- reschedule are the same upsert on (tenant, queue, timer_key); an
@@ -407,7 +432,9 @@ $$;
 -- Rows are touched in (queue, timer_key) order and the counter row last,
 -- so that concurrent batches cannot deadlock each other. p_max_ops is
 -- the broker's QUEEN_TIMERS_MAX_OPS (NULL: the cell's).
--- A batch without cancels (the common case) is ONE statement: a single
+-- A batch of new schedules (the common case) is first tried as a plain
+-- INSERT (below; queen.timer_key_ends_exist). Any other batch without
+-- cancels, and that one when a key exists, is ONE statement: a single
 -- INSERT ... SELECT ... ORDER BY queue, timer_key ON CONFLICT DO UPDATE
 -- of every op (rows still taken in key order), whose RETURNING is joined
 -- back to the ops for the verdicts. Its plan is cached like the others
@@ -474,54 +501,97 @@ BEGIN
     l := queen.check_timer_gates(p_tenant, p_ops, p_horizon_ms, p_tenancy, v_now);
 
     IF NOT EXISTS (SELECT 1 FROM unnest(p_ops) x WHERE x.op = 'cancel') THEN
-        -- every op an upsert: one statement (see above)
-        WITH b AS (
-            SELECT x.n::integer AS ordinal, x.op, x.queue, x.timer_key, x.txn,
-                   CASE WHEN p_staged IS NULL THEN x.payload
-                        ELSE coalesce((SELECT s.payload FROM queen.staged_payloads s
-                                        WHERE s.batch = p_staged AND s.n = x.n), x.payload) END AS payload,
-                   coalesce(x.partition, 'Default') AS partition,
-                   coalesce(x.payload_zstd, false) AS payload_zstd,
-                   coalesce(x.encrypted, false) AS encrypted,
-                   queen.uuid_v7() AS message_id,
-                   coalesce(nullif(x.txn, ''), queen.uuid_v7()::text) AS new_txn,
-                   -- a delay in the past is due at once; clamped so that no
-                   -- negative delayMs can overflow the timestamp
-                   v_now + greatest(x.delay_ms, -l.horizon_ms) * interval '1 millisecond' AS deliver_at
-              FROM unnest(p_ops) WITH ORDINALITY AS x(op, queue, timer_key, delay_ms, txn, payload,
-                                                  partition, payload_zstd, encrypted, raw_size, n)
-        ), ins AS (
-            INSERT INTO queen.timers AS t
-                   (tenant, queue, timer_key, partition, deliver_at, txn, message_id, payload,
-                    payload_zstd, encrypted, producer_sub, created_at, updated_at)
-            SELECT p_tenant, b.queue, b.timer_key, b.partition, b.deliver_at, b.new_txn, b.message_id,
-                   b.payload, b.payload_zstd, b.encrypted, p_producer_sub, v_now, v_now
-              FROM b
-             ORDER BY b.queue, b.timer_key COLLATE "C"
-            ON CONFLICT (tenant, queue, timer_key) DO UPDATE
-               SET partition = EXCLUDED.partition, deliver_at = EXCLUDED.deliver_at,
-                   txn = EXCLUDED.txn, message_id = EXCLUDED.message_id,
-                   payload = EXCLUDED.payload, payload_zstd = EXCLUDED.payload_zstd,
-                   encrypted = EXCLUDED.encrypted, producer_sub = EXCLUDED.producer_sub,
-                   attempts = 0, failures = 0, last_error = NULL, last_error_class = NULL,
-                   claim_id = NULL, claimed_by = NULL, lease_until = NULL,
-                   updated_at = v_now
-             -- an expired lease is a dead claim: the upsert takes the row over
-             WHERE NOT queen.timer_is_claimed(t.lease_until, v_now)
-            RETURNING t.queue, t.timer_key, (t.xmax = 0) AS inserted
-        )
-        SELECT array_agg(ROW(b.ordinal, b.op, i.queue IS NOT NULL,
-                             CASE WHEN i.queue IS NULL THEN 'too_late'
-                                  WHEN i.inserted THEN 'scheduled' ELSE 'rescheduled' END,
-                             b.queue, b.timer_key,
-                             CASE WHEN i.queue IS NULL THEN b.txn ELSE b.new_txn END,
-                             CASE WHEN i.queue IS NOT NULL THEN b.message_id END,
-                             CASE WHEN i.queue IS NOT NULL THEN b.deliver_at END)::queen.timer_verdict
-                         ORDER BY b.ordinal),
-               count(i.queue), count(*) FILTER (WHERE i.inserted),
-               min(b.deliver_at) FILTER (WHERE i.queue IS NOT NULL)
-          FROM b LEFT JOIN ins i ON i.queue = b.queue AND i.timer_key = b.timer_key
-          INTO v_out, v_billed, v_pending, v_first_at;
+        -- every op an upsert. A batch of schedule ops (the common batch:
+        -- new timers) is first tried as a plain INSERT: ON CONFLICT costs
+        -- every row a speculative-insertion lock and a confirm record (a
+        -- plain INSERT of the same rows ran 1.3x as fast). A key that exists
+        -- raises unique_violation: the block is undone (its subtransaction)
+        -- and the upsert does the batch. So a batch whose first or last key
+        -- exists (one sent again) and a batch with a reschedule (keys the
+        -- client expects to exist) go straight to the upsert; a staged batch
+        -- too (its bytes would be written twice).
+        IF p_staged IS NULL AND NOT EXISTS (SELECT 1 FROM unnest(p_ops) x WHERE x.op <> 'schedule')
+           AND NOT queen.timer_key_ends_exist(p_tenant, p_ops) THEN
+            BEGIN
+                WITH b AS (
+                    SELECT x.n::integer AS ordinal, x.op, x.queue, x.timer_key, x.payload,
+                           coalesce(x.partition, 'Default') AS partition,
+                           coalesce(x.payload_zstd, false) AS payload_zstd,
+                           coalesce(x.encrypted, false) AS encrypted,
+                           queen.uuid_v7() AS message_id,
+                           x.txn,  -- required of a schedule (check_timer_ops)
+                           v_now + greatest(x.delay_ms, -l.horizon_ms) * interval '1 millisecond' AS deliver_at
+                      FROM unnest(p_ops) WITH ORDINALITY AS x(op, queue, timer_key, delay_ms, txn, payload,
+                                                          partition, payload_zstd, encrypted, raw_size, n)
+                ), ins AS (
+                    INSERT INTO queen.timers
+                           (tenant, queue, timer_key, partition, deliver_at, txn, message_id, payload,
+                            payload_zstd, encrypted, producer_sub, created_at, updated_at)
+                    SELECT p_tenant, b.queue, b.timer_key, b.partition, b.deliver_at, b.txn, b.message_id,
+                           b.payload, b.payload_zstd, b.encrypted, p_producer_sub, v_now, v_now
+                      FROM b
+                     ORDER BY b.queue, b.timer_key COLLATE "C"
+                )  -- run to the end though not read: every row is inserted, or the block fails
+                SELECT array_agg(ROW(b.ordinal, b.op, true, 'scheduled', b.queue, b.timer_key, b.txn,
+                                     b.message_id, b.deliver_at)::queen.timer_verdict ORDER BY b.ordinal),
+                       count(*), count(*), min(b.deliver_at)
+                  FROM b
+                  INTO v_out, v_billed, v_pending, v_first_at;
+                v_inserted := true;
+            EXCEPTION WHEN unique_violation THEN
+                v_inserted := false;
+            END;
+        END IF;
+        IF v_inserted IS NOT TRUE THEN
+            -- one statement (see above)
+            WITH b AS (
+                SELECT x.n::integer AS ordinal, x.op, x.queue, x.timer_key, x.txn,
+                       CASE WHEN p_staged IS NULL THEN x.payload
+                            ELSE coalesce((SELECT s.payload FROM queen.staged_payloads s
+                                            WHERE s.batch = p_staged AND s.n = x.n), x.payload) END AS payload,
+                       coalesce(x.partition, 'Default') AS partition,
+                       coalesce(x.payload_zstd, false) AS payload_zstd,
+                       coalesce(x.encrypted, false) AS encrypted,
+                       queen.uuid_v7() AS message_id,
+                       coalesce(nullif(x.txn, ''), queen.uuid_v7()::text) AS new_txn,
+                       -- a delay in the past is due at once; clamped so that no
+                       -- negative delayMs can overflow the timestamp
+                       v_now + greatest(x.delay_ms, -l.horizon_ms) * interval '1 millisecond' AS deliver_at
+                  FROM unnest(p_ops) WITH ORDINALITY AS x(op, queue, timer_key, delay_ms, txn, payload,
+                                                      partition, payload_zstd, encrypted, raw_size, n)
+            ), ins AS (
+                INSERT INTO queen.timers AS t
+                       (tenant, queue, timer_key, partition, deliver_at, txn, message_id, payload,
+                        payload_zstd, encrypted, producer_sub, created_at, updated_at)
+                SELECT p_tenant, b.queue, b.timer_key, b.partition, b.deliver_at, b.new_txn, b.message_id,
+                       b.payload, b.payload_zstd, b.encrypted, p_producer_sub, v_now, v_now
+                  FROM b
+                 ORDER BY b.queue, b.timer_key COLLATE "C"
+                ON CONFLICT (tenant, queue, timer_key) DO UPDATE
+                   SET partition = EXCLUDED.partition, deliver_at = EXCLUDED.deliver_at,
+                       txn = EXCLUDED.txn, message_id = EXCLUDED.message_id,
+                       payload = EXCLUDED.payload, payload_zstd = EXCLUDED.payload_zstd,
+                       encrypted = EXCLUDED.encrypted, producer_sub = EXCLUDED.producer_sub,
+                       attempts = 0, failures = 0, last_error = NULL, last_error_class = NULL,
+                       claim_id = NULL, claimed_by = NULL, lease_until = NULL,
+                       updated_at = v_now
+                 -- an expired lease is a dead claim: the upsert takes the row over
+                 WHERE NOT queen.timer_is_claimed(t.lease_until, v_now)
+                RETURNING t.queue, t.timer_key, (t.xmax = 0) AS inserted
+            )
+            SELECT array_agg(ROW(b.ordinal, b.op, i.queue IS NOT NULL,
+                                 CASE WHEN i.queue IS NULL THEN 'too_late'
+                                      WHEN i.inserted THEN 'scheduled' ELSE 'rescheduled' END,
+                                 b.queue, b.timer_key,
+                                 CASE WHEN i.queue IS NULL THEN b.txn ELSE b.new_txn END,
+                                 CASE WHEN i.queue IS NOT NULL THEN b.message_id END,
+                                 CASE WHEN i.queue IS NOT NULL THEN b.deliver_at END)::queen.timer_verdict
+                             ORDER BY b.ordinal),
+                   count(i.queue), count(*) FILTER (WHERE i.inserted),
+                   min(b.deliver_at) FILTER (WHERE i.queue IS NOT NULL)
+              FROM b LEFT JOIN ins i ON i.queue = b.queue AND i.timer_key = b.timer_key
+              INTO v_out, v_billed, v_pending, v_first_at;
+        END IF;
     ELSE
         FOR o IN
             SELECT x.op, x.queue, x.timer_key, x.delay_ms, x.txn,

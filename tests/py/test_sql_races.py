@@ -328,3 +328,42 @@ def test_a_schedule_waits_for_the_raised_bound_then_lowers_it(db, sessions):
                             ).fetchone()["deliver_at"]
     assert globex_bound(db) == deliver_at
     assert second.execute("SELECT queen.find_due_tenants(now(), 10)").fetchone()[0] == ["globex"]
+
+
+BATCH = """
+SELECT timer_key, status FROM queen.schedule_timers('acme', ARRAY(
+    SELECT ROW('schedule', 'races', k, 60000, 'txn-' || k, '\\x00'::bytea, NULL, NULL, NULL, NULL)::queen.timer_op
+      FROM unnest(%s::text[]) WITH ORDINALITY AS u(k, n) ORDER BY n))
+"""
+
+
+def usage(db) -> dict:
+    return db.execute("SELECT queen.get_pending_timers('acme') AS pending, billed_messages AS billed "
+                      "FROM queen.tenant_usage WHERE tenant = 'acme'").fetchone()
+
+
+def test_a_plain_insert_meeting_a_key_another_batch_inserts_does_the_upsert(db, sessions):
+    """A batch of new schedules is tried as a plain INSERT (migration 020). Another
+    batch's uncommitted key in its middle: the INSERT waits for it, meets
+    unique_violation when it commits, undoes its subtransaction, and the upsert does
+    the batch: no error, the key rescheduled, every key once, counted once."""
+    first, second = sessions
+    assert first.execute(BATCH, (["k2", "k3"],)).fetchall() == [("k2", "scheduled"), ("k3", "scheduled")]
+    late = Background(second, BATCH, (["k1", "k2", "k4"],))  # its ends k1, k4 are new: the plain INSERT
+    wait_until_blocked_on_lock(db, pid_of(second))
+    first.commit()
+    assert late.join() == [("k1", "scheduled"), ("k2", "rescheduled"), ("k4", "scheduled")]
+    rows = db.execute("SELECT timer_key, txn FROM queen.timers ORDER BY timer_key").fetchall()
+    assert rows == [{"timer_key": k, "txn": f"txn-{k}"} for k in ("k1", "k2", "k3", "k4")]
+    assert usage(db) == {"pending": 4, "billed": 5}
+
+
+def test_a_plain_insert_waiting_on_a_batch_that_rolls_back_inserts(db, sessions):
+    first, second = sessions
+    assert first.execute(BATCH, (["k2"],)).fetchall() == [("k2", "scheduled")]
+    late = Background(second, BATCH, (["k1", "k2", "k4"],))
+    wait_until_blocked_on_lock(db, pid_of(second))
+    first.rollback()
+    assert late.join() == [("k1", "scheduled"), ("k2", "scheduled"), ("k4", "scheduled")]
+    assert [r["timer_key"] for r in db.execute("SELECT timer_key FROM queen.timers ORDER BY 1")] == ["k1", "k2", "k4"]
+    assert usage(db) == {"pending": 3, "billed": 3}
