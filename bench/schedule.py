@@ -89,9 +89,10 @@ def bare_params(ops: list[dict]) -> dict:
             "payload": [base64.b64decode(o["payload"]) for o in ops]}
 
 
-def clean(admin) -> None:
-    """The same starting state before every run: no timer rows, counters at 0, fresh stats, a checkpoint."""
-    admin.execute("TRUNCATE queen.timers, bench.expected")
+def clean(admin, expected: bool = True) -> None:
+    """The same starting state before every run: no timer rows, counters at 0, fresh stats, a checkpoint.
+    expected=False: a database without the bench's own schema (bench/schedule_compare.py)."""
+    admin.execute("TRUNCATE queen.timers, bench.expected" if expected else "TRUNCATE queen.timers")
     admin.execute("DELETE FROM queen.tenant_usage_deltas")
     admin.execute("UPDATE queen.tenant_usage SET pending_timers = 0")
     for t in ("queen.timers", "queen.tenant_usage", "queen.tenant_usage_deltas"):

@@ -28,21 +28,10 @@ from harness import Cluster, connect, log  # noqa: E402
 from queen_timers.routes_timers import SCHEDULE_SQL  # noqa: E402
 
 
-def clean(admin) -> None:
-    """schedule.clean's starting state (no timer rows, counters at 0, a checkpoint) on a database
-    without the bench's own schema."""
-    admin.execute("TRUNCATE queen.timers")
-    admin.execute("DELETE FROM queen.tenant_usage_deltas")
-    admin.execute("UPDATE queen.tenant_usage SET pending_timers = 0")
-    for t in ("queen.timers", "queen.tenant_usage", "queen.tenant_usage_deltas"):
-        admin.execute(f"VACUUM ANALYZE {t}")
-    admin.execute("CHECKPOINT")
-
-
 def run(url: str, sql: str, params: list[dict], clients: int, again: bool, n: int) -> float:
     admin = connect(url)
     try:
-        clean(admin)
+        S.clean(admin, expected=False)
         if again:  # every key there before the clock starts
             S._sql_side(url, sql, params, clients, fetch=sql is SCHEDULE_SQL)
             for t in ("queen.timers", "queen.tenant_usage"):
