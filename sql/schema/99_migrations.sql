@@ -22,4 +22,5 @@ INSERT INTO queen.schema_migrations (version, name) VALUES
     (17, 'schedule_notify'),
     (18, 'fire_fair_share'),
     (19, 'tenant_next_due'),
-    (20, 'schedule_plain_insert');
+    (20, 'schedule_plain_insert'),
+    (21, 'quota_lookup');
