@@ -224,6 +224,7 @@ def profile(url: str, admin, ops: list[list[dict]]) -> list[str]:
         admin.execute("SELECT pg_stat_statements_reset()")
         for b in ops[max(1, min(6, half)):]:
             c.execute(SCHEDULE_SQL, broker_params(b), prepare=True).fetchall()
+    again = _explain_again(url, ops)
     rows = admin.execute("""
         SELECT toplevel, calls, round((mean_exec_time * 1000)::numeric, 1),
                round(total_exec_time::numeric, 1), regexp_replace(left(query, 110), '\\s+', ' ', 'g')
@@ -235,7 +236,28 @@ def profile(url: str, admin, ops: list[list[dict]]) -> list[str]:
     for r in rows:
         lines.append(f"  {'top ' if r[0] else '    '}{r[1]:>7} {r[2]:>10} {r[3]:>9}  {r[4]}")
     report.insert(0, "\n".join(lines))
+    report.append(again)
     return report
+
+
+def _explain_again(url: str, ops: list[list[dict]]) -> str:
+    """The upsert's plan: new keys take the plain INSERT (no verdict join), a batch sent
+    again (every key there) the upsert, whose verdicts join its rows to the batch. Sent
+    again on a new session past the plan cache's custom plans, then one explained."""
+    with psycopg.connect(url, autocommit=True) as c:
+        for b in ops[:6]:
+            c.execute(SCHEDULE_SQL, broker_params(b), prepare=True).fetchall()
+        return explain_schedule(c, ops[0]).replace("-- schedule_timers", "-- sent again: schedule_timers", 1)
+
+
+def verdict_join(again_plan: str) -> str:
+    """How the upsert's statement joins its verdicts (a batch sent again)."""
+    upsert = next((n for n in again_plan.split("\n\n") if "ON CONFLICT (tenant, queue, timer_key)" in n), "")
+    if not upsert:
+        return "no upsert in the plan (the op-by-op path?)"
+    if "Hash Left Join" in upsert or "Hash Right Join" in upsert:
+        return "hash join"
+    return "NESTED LOOP (quadratic in the batch)" if "Nested Loop" in upsert else "no join found"
 
 
 # -------------------------------------------------------------------------
@@ -306,10 +328,9 @@ def _bench_schedule(url: str, broker: Broker, res, n_batches: int, clients: int,
             broker.proc.send_signal(signal.SIGCONT)
         for line in report[0].splitlines():
             log("  " + line)
-        plan = report[1]
-        join = ("hash join" if "Hash Left Join" in plan else "NESTED LOOP (quadratic in the batch)"
-                if "Nested Loop" in plan else "no join (the op-by-op path?)")
-        log(f"  the verdict join of schedule_timers' one statement, past the plan cache's custom plans: {join}")
+        join = verdict_join(report[-1])
+        log("  new keys: the plain INSERT, no verdict join; the verdict join of the upsert (the batch sent "
+            f"again), past the plan cache's custom plans: {join}")
         res.put(key, verdict_join=join)
         (OUT / "schedule-profile.txt").write_text("\n\n".join(report))
         log(f"  plans: {OUT / 'schedule-profile.txt'}")
