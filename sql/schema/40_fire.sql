@@ -338,7 +338,12 @@ $$;
 -- however many there are. Of those, the 4,096 with the oldest bound
 -- (tenant_usage_next_due_at_idx), 64 a call, taken in turn: the session's
 -- setting queen.fire_turn keeps the last one probed and the next call
--- starts after it (wrapping). Each is probed with one descent of
+-- starts after it (wrapping). When all 4,096 places are taken, the 64 are
+-- the next of every tenant past its bound, in tenant order from the turn
+-- (the counter rows' primary key): a served tenant's bound is not raised,
+-- so the same 4,096 would hold the window until they drained, and a tenant
+-- past them would wait for all their backlogs (migration 022). Each is
+-- probed with one descent of
 -- timers_tenant_deliver_at_idx (timers_tenant_zstd_deliver_at_idx), so no
 -- tenant's backlog is walked. A candidate found with nothing due has its
 -- bound raised to its earliest timer (infinity: none), so it is not
@@ -357,16 +362,35 @@ DECLARE
     v_due  text[];
     v_idle text[];
     v_now  timestamptz := coalesce(p_now, now());
+    v_full boolean;
 BEGIN
     -- PL/pgSQL, not SQL: its plans are cached (a SQL function is planned at
     -- every call). The next 64 candidates after the last one probed, wrapping.
-    SELECT array_agg(c.tenant ORDER BY c.lap, c.tenant) INTO v_cand
-      FROM (SELECT b.tenant, b.tenant <= v_turn AS lap
-              FROM (SELECT u.tenant FROM queen.tenant_usage u
-                     WHERE u.next_due_at <= v_now AND u.pending_timers > 0
-                       AND u.tenant <> ALL (coalesce(p_except, '{}'))
-                     ORDER BY u.next_due_at LIMIT 4096) b
-             ORDER BY 2, 1 LIMIT 64) c;
+    WITH b AS MATERIALIZED (
+        SELECT u.tenant FROM queen.tenant_usage u
+         WHERE u.next_due_at <= v_now AND u.pending_timers > 0
+           AND u.tenant <> ALL (coalesce(p_except, '{}'))
+         ORDER BY u.next_due_at LIMIT 4096)
+    SELECT (SELECT array_agg(c.tenant ORDER BY c.lap, c.tenant)
+              FROM (SELECT b.tenant, b.tenant <= v_turn AS lap FROM b ORDER BY 2, 1 LIMIT 64) c),
+           (SELECT count(*) FROM b) = 4096
+      INTO v_cand, v_full;
+    IF v_full THEN
+        -- the window is full: the next 64 of all, by the primary key from the
+        -- turn (past it first, then from the start), no sort of the rest
+        SELECT array_agg(c.tenant ORDER BY c.lap, c.tenant) INTO v_cand
+          FROM (SELECT x.tenant, x.lap
+                  FROM ((SELECT u.tenant, false AS lap FROM queen.tenant_usage u
+                          WHERE u.tenant > v_turn AND u.next_due_at <= v_now AND u.pending_timers > 0
+                            AND u.tenant <> ALL (coalesce(p_except, '{}'))
+                          ORDER BY u.tenant LIMIT 64)
+                        UNION ALL
+                        (SELECT u.tenant, true AS lap FROM queen.tenant_usage u
+                          WHERE u.tenant <= v_turn AND u.next_due_at <= v_now AND u.pending_timers > 0
+                            AND u.tenant <> ALL (coalesce(p_except, '{}'))
+                          ORDER BY u.tenant LIMIT 64)) x
+                 ORDER BY x.lap, x.tenant LIMIT 64) c;
+    END IF;
     IF v_cand IS NULL THEN
         RETURN NULL;
     END IF;

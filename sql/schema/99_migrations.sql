@@ -23,4 +23,5 @@ INSERT INTO queen.schema_migrations (version, name) VALUES
     (18, 'fire_fair_share'),
     (19, 'tenant_next_due'),
     (20, 'schedule_plain_insert'),
-    (21, 'quota_lookup');
+    (21, 'quota_lookup'),
+    (22, 'fire_many_due');
