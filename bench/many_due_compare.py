@@ -12,7 +12,8 @@ its bound is the newest. One broker of this checkout at its defaults starts befo
 everything. Printed per side: how long the backlog took, and `late`'s lag (the commit of its
 frame minus its deliver_at, both in the database). The fair share's window holds the 4,096
 tenants with the oldest bound; before migration 022 a tenant past them was not probed until
-fewer than 4,096 had rows due.
+fewer than 4,096 had rows due. Each side's broker knows only its own checkout's migrations
+(QUEEN_SQL_DIR): a broker applies the migrations it knows when it starts.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from harness import Cluster, connect, log, start_broker, wait_until  # noqa: E40
 LATE_AFTER_MS = 100
 
 
-def run(url: str, tenants: int, per_tenant: int) -> tuple[float, float]:
+def run(url: str, root: Path, tenants: int, per_tenant: int) -> tuple[float, float]:
     with connect(url) as c:
         c.execute("TRUNCATE queen.timers, queen.messages, queen.tenant_usage, queen.tenant_usage_deltas")
         c.execute("SELECT count(queen.ensure_partition('md-' || g, 'mq', 'Default')) FROM generate_series(1, %s) g",
@@ -50,7 +51,9 @@ def run(url: str, tenants: int, per_tenant: int) -> tuple[float, float]:
                 'schedule', 'late-q', 'late-1',
                 (extract(epoch FROM %s::timestamptz + interval '{LATE_AFTER_MS} milliseconds' - now()) * 1000)::bigint,
                 'late-1', '\\x7b7d'::bytea, NULL, NULL, NULL, NULL)::queen.timer_op])""", (due,)).fetchone()[0]
-        broker = start_broker(url, name="many-due")
+        # the broker applies the migrations it knows at start: it must know only its side's
+        # (QUEEN_SQL_DIR), or it would bring the other checkout's schema up to this one's
+        broker = start_broker(url, name="many-due", QUEEN_SQL_DIR=str(root / "sql"))
         try:
             if c.execute("SELECT clock_timestamp() >= %s", (due,)).fetchone()[0]:
                 raise RuntimeError("the broker was not up before the backlog fell due")
@@ -81,15 +84,15 @@ def main() -> None:
     cluster = Cluster(fsync="on")
     cluster.setup()
     try:
-        sides = {"this": build_db(cluster, "many_this", here),
-                 "compare": build_db(cluster, "many_compare", args.compare.resolve())}
+        roots = {"this": here, "compare": args.compare.resolve()}
+        sides = {name: build_db(cluster, f"many_{name}", root) for name, root in roots.items()}
         got: dict[str, list[tuple[float, float]]] = {k: [] for k in sides}
         log(f"== {args.tenants:,} tenants with {args.per_tenant:,} timers each due at T, tenant late's one "
             f"due {LATE_AFTER_MS} ms after T; one broker ==")
         for r in range(args.rounds):
             names = list(sides)
             for name in names[r % 2:] + names[:r % 2]:
-                got[name].append(run(sides[name], args.tenants, args.per_tenant))
+                got[name].append(run(sides[name], roots[name], args.tenants, args.per_tenant))
                 secs, lag = got[name][-1]
                 log(f"  round {r + 1} {name:8}: backlog fired in {secs:6.2f} s; late's timer fired {lag:9.1f} ms "
                     f"after its deliver_at")

@@ -524,19 +524,26 @@ END
 $$;
 
 -- The partition's id (of the tenant's queue), created on first use. No
--- lock is taken: appends need none (see queen.messages).
+-- lock is taken: appends need none (see queen.messages). A partition that
+-- exists (the common case) is one lookup, with no call of ensure_queue: the
+-- fire calls this once per destination partition of a batch, and a batch
+-- into 256 tenants' queues spent 10-20 ms in the two calls (migration 022).
+-- enable_seqscan off: the session keeps the lookup's plan, and one made while
+-- the cell had a page of queues would read every queue at each call later.
 CREATE FUNCTION queen.ensure_partition(p_tenant text, p_queue text, p_partition text DEFAULT 'Default')
 RETURNS uuid
-LANGUAGE plpgsql AS $$
+LANGUAGE plpgsql SET enable_seqscan = off AS $$
 DECLARE
-    v_queue_id uuid := queen.ensure_queue(p_tenant, p_queue);
+    v_queue_id uuid;
     v_id uuid;
 BEGIN
-    SELECT id INTO v_id FROM queen.partitions
-     WHERE queue_id = v_queue_id AND name = coalesce(p_partition, 'Default');
+    SELECT p.id INTO v_id
+      FROM queen.queues q JOIN queen.partitions p ON p.queue_id = q.id
+     WHERE q.tenant = p_tenant AND q.name = p_queue AND p.name = coalesce(p_partition, 'Default');
     IF FOUND THEN
         RETURN v_id;
     END IF;
+    v_queue_id := queen.ensure_queue(p_tenant, p_queue);
     INSERT INTO queen.partitions (queue_id, name)
     VALUES (v_queue_id, coalesce(p_partition, 'Default'))
     ON CONFLICT (queue_id, name) DO NOTHING
@@ -1744,13 +1751,17 @@ DECLARE
 BEGIN
     -- PL/pgSQL, not SQL: its plans are cached (a SQL function is planned at
     -- every call). The next 64 candidates after the last one probed, wrapping.
+    -- p_except (the batch's tenants, up to its size) taken out by EXCEPT, a
+    -- hash, not by a filter on the scan: `<> ALL` compares every row read
+    -- with every element (20 ms a batch with 4,096 due and 300 excepted).
     WITH b AS MATERIALIZED (
         SELECT u.tenant FROM queen.tenant_usage u
          WHERE u.next_due_at <= v_now AND u.pending_timers > 0
-           AND u.tenant <> ALL (coalesce(p_except, '{}'))
          ORDER BY u.next_due_at LIMIT 4096)
     SELECT (SELECT array_agg(c.tenant ORDER BY c.lap, c.tenant)
-              FROM (SELECT b.tenant, b.tenant <= v_turn AS lap FROM b ORDER BY 2, 1 LIMIT 64) c),
+              FROM (SELECT x.tenant, x.tenant <= v_turn AS lap
+                      FROM (SELECT b.tenant FROM b EXCEPT SELECT unnest(p_except)) x
+                     ORDER BY 2, 1 LIMIT 64) c),
            (SELECT count(*) FROM b) = 4096
       INTO v_cand, v_full;
     IF v_full THEN

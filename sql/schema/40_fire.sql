@@ -366,13 +366,17 @@ DECLARE
 BEGIN
     -- PL/pgSQL, not SQL: its plans are cached (a SQL function is planned at
     -- every call). The next 64 candidates after the last one probed, wrapping.
+    -- p_except (the batch's tenants, up to its size) taken out by EXCEPT, a
+    -- hash, not by a filter on the scan: `<> ALL` compares every row read
+    -- with every element (20 ms a batch with 4,096 due and 300 excepted).
     WITH b AS MATERIALIZED (
         SELECT u.tenant FROM queen.tenant_usage u
          WHERE u.next_due_at <= v_now AND u.pending_timers > 0
-           AND u.tenant <> ALL (coalesce(p_except, '{}'))
          ORDER BY u.next_due_at LIMIT 4096)
     SELECT (SELECT array_agg(c.tenant ORDER BY c.lap, c.tenant)
-              FROM (SELECT b.tenant, b.tenant <= v_turn AS lap FROM b ORDER BY 2, 1 LIMIT 64) c),
+              FROM (SELECT x.tenant, x.tenant <= v_turn AS lap
+                      FROM (SELECT b.tenant FROM b EXCEPT SELECT unnest(p_except)) x
+                     ORDER BY 2, 1 LIMIT 64) c),
            (SELECT count(*) FROM b) = 4096
       INTO v_cand, v_full;
     IF v_full THEN

@@ -4,9 +4,11 @@
 -- raised, so with more than 4,096 due at once the same ones held the window
 -- and a tenant past them was never probed until they drained. With the
 -- window full, the candidates are the next 64 of all of them in tenant order:
--- every tenant with rows due is probed once a lap.
+-- every tenant with rows due is probed once a lap. Last, a batch into 300
+-- tenants' queues: the partitions that exist are found by ensure_partition's
+-- one lookup, the others created, every frame in its own tenant's partition.
 BEGIN;
-SELECT plan(11);
+SELECT plan(15);
 
 CREATE FUNCTION pg_temp.t0() RETURNS timestamptz LANGUAGE sql AS $$ SELECT '2030-01-01 00:00:00+00'::timestamptz $$;
 -- p_n tenants named p_prefix || n, each with one timer due at p_due and its counter row
@@ -51,6 +53,22 @@ SELECT is(pg_temp.calls(66, ARRAY['md-last-00001', 'md-00007']), 4224::bigint, '
 SELECT is((SELECT count(DISTINCT tenant) FROM got), 4199::bigint, '... return the other 4,199');
 SELECT is((SELECT count(*) FROM got WHERE tenant IN ('md-last-00001', 'md-00007')), 0::bigint,
           '... and never those');
+
+-- ---------------------------------------------------------------- a batch into 300 tenants' queues
+-- half of whose partitions exist (found by one lookup) and half not (created)
+INSERT INTO queen.timers (tenant, queue, timer_key, deliver_at, txn, message_id, payload)
+SELECT 'fp-' || i, 'fq', 'k', pg_temp.t0() - interval '20 s', 'fp-' || i, gen_random_uuid(), '\x7b7d'
+  FROM generate_series(1, 300) i;
+SELECT is((SELECT count(queen.ensure_partition('fp-' || i, 'fq', 'Default')) FROM generate_series(1, 300, 2) i),
+          150::bigint, 'setup: 300 tenants with a timer due, the partitions of 150 created beforehand');
+SELECT is((SELECT count(*) FROM queen.fire_due_timers(512, pg_temp.t0() - interval '15 s') WHERE outcome = 'fired'),
+          300::bigint, 'one batch fires the 300');
+SELECT is((SELECT count(*) FROM queen.messages m JOIN queen.partitions p ON p.id = m.partition_id
+             JOIN queen.queues q ON q.id = p.queue_id
+            WHERE m.transaction_id LIKE 'fp-%' AND q.tenant = m.transaction_id AND q.name = 'fq' AND p.name = 'Default'),
+          300::bigint, 'each frame is in its own tenant''s queue and partition');
+SELECT is((SELECT count(*) FROM queen.partitions p JOIN queen.queues q ON q.id = p.queue_id
+            WHERE q.tenant LIKE 'fp-%' AND q.name = 'fq'), 300::bigint, 'one partition each: 150 found, 150 created');
 
 SELECT * FROM finish();
 ROLLBACK;
