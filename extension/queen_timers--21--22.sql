@@ -9,8 +9,9 @@
 --    tenants' backlogs, bench/many_due_compare.py). With the window full,
 --    the 64 are now the next of every tenant past its bound, in tenant order
 --    from the session's turn: every one is probed once a lap.
--- 2. Its p_except (the batch's tenants) is taken out by EXCEPT instead of a
---    `<> ALL` filter that compared every row read with every element.
+-- 2. Its p_except (the batch's tenants) is taken out by EXCEPT (the window)
+--    and a hashed NOT IN (the rotation) instead of a `<> ALL` filter that
+--    compared every row read with every element.
 -- 3. queen.ensure_partition finds a partition that exists with one lookup
 --    (queues joined to partitions) instead of calling ensure_queue first;
 --    the fire calls it once per destination partition of a batch.
@@ -85,6 +86,7 @@ DECLARE
     v_idle text[];
     v_now  timestamptz := coalesce(p_now, now());
     v_full boolean;
+    v_take integer;
 BEGIN
     -- PL/pgSQL, not SQL: its plans are cached (a SQL function is planned at
     -- every call). The next 64 candidates after the last one probed, wrapping.
@@ -103,18 +105,19 @@ BEGIN
       INTO v_cand, v_full;
     IF v_full THEN
         -- the window is full: the next 64 of all, by the primary key from the
-        -- turn (past it first, then from the start), no sort of the rest
+        -- turn (past it first, then from the start), no sort of the rest; as
+        -- many more as p_except has, which a hashed NOT IN then takes out
+        v_take := 64 + coalesce(cardinality(p_except), 0);
         SELECT array_agg(c.tenant ORDER BY c.lap, c.tenant) INTO v_cand
           FROM (SELECT x.tenant, x.lap
                   FROM ((SELECT u.tenant, false AS lap FROM queen.tenant_usage u
                           WHERE u.tenant > v_turn AND u.next_due_at <= v_now AND u.pending_timers > 0
-                            AND u.tenant <> ALL (coalesce(p_except, '{}'))
-                          ORDER BY u.tenant LIMIT 64)
+                          ORDER BY u.tenant LIMIT v_take)
                         UNION ALL
                         (SELECT u.tenant, true AS lap FROM queen.tenant_usage u
                           WHERE u.tenant <= v_turn AND u.next_due_at <= v_now AND u.pending_timers > 0
-                            AND u.tenant <> ALL (coalesce(p_except, '{}'))
-                          ORDER BY u.tenant LIMIT 64)) x
+                          ORDER BY u.tenant LIMIT v_take)) x
+                 WHERE x.tenant NOT IN (SELECT e.tenant FROM unnest(p_except) AS e(tenant))
                  ORDER BY x.lap, x.tenant LIMIT 64) c;
     END IF;
     IF v_cand IS NULL THEN
