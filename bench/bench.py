@@ -175,6 +175,11 @@ def variant_brokers(url: str, specs: list[str]) -> dict:
     """PARSER:LOOP -> a broker running bench/broker_variant.py with them (cancel's A/B windows)."""
     out = {}
     for spec in specs:
+        if spec == "apart":  # HTTP only; the main broker's sweeper fires meanwhile (cancel.APART)
+            out[spec] = start_broker(url, "variant-apart",
+                                     argv=[str(Path(__file__).resolve().parent / "broker_variant.py")],
+                                     BENCH_SWEEPER="off")
+            continue
         parser, _, loop = spec.partition(":")
         out[spec] = start_broker(url, f"variant-{parser}-{loop or 'default'}",
                                  argv=[str(Path(__file__).resolve().parent / "broker_variant.py")],
@@ -235,7 +240,8 @@ def main() -> int:
     ap.add_argument("--cancel-load-only", action="store_true", help="only the under-load windows of `cancel`")
     ap.add_argument("--cancel-load-variant", action="append", default=[], metavar="PARSER:LOOP",
                     help="also DELETE through a second broker with this HTTP parser (h11, httptools) and event "
-                         "loop (asyncio, uvloop), windows alternating (bench/broker_variant.py); repeatable")
+                         "loop (asyncio, uvloop), windows alternating (bench/broker_variant.py); repeatable. "
+                         "'apart': a broker with no sweeper, while the main broker's sweeper fires")
     ap.add_argument("--mem-clients", type=int, default=8, help="mem: clients per kind of worst request, at once")
     ap.add_argument("--mem-size-mb", type=int, default=360, help="mem: size of the hostile bodies (MB)")
     ap.add_argument("--mem-delete-rate", type=float, default=200, help="mem: the other tenant's DELETEs per second")

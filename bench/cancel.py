@@ -490,6 +490,9 @@ def under_load(url: str, broker: Broker, admin, seconds: float, fire_rate: int, 
             "max_ms": max(lat) * 1000 if lat else None, "outcomes": outcomes, "targets_fired": targets_fired}
 
 
+APART = "apart"  # bench.variant_brokers: a broker that serves HTTP and runs no sweeper
+
+
 def bench_under_load(url: str, broker: Broker, res, admin, rounds: int, seconds: float, fire_rate: int,
                      cancel_rate: int, clients: list[str], generator: str,
                      variants: dict[str, Broker] | None = None) -> None:
@@ -497,7 +500,8 @@ def bench_under_load(url: str, broker: Broker, res, admin, rounds: int, seconds:
     window printed, then the median of the per-window p99s. `variants` (name ->
     another broker on the same database) adds an "http:NAME" client kind: DELETE
     through that broker, with every other broker stopped (SIGSTOP) meanwhile, so
-    that only the measured broker's sweeper fires."""
+    that only the measured broker's sweeper fires; but for APART, a broker with no
+    sweeper: the main broker fires meanwhile (the sweeper in a process of its own)."""
     admin.execute("ALTER SYSTEM SET track_wal_io_timing = on")  # pg_stat_wal.wal_sync_time: the commits' fsync
     admin.execute("SELECT pg_reload_conf()")
     variants = variants or {}
@@ -512,8 +516,11 @@ def bench_under_load(url: str, broker: Broker, res, admin, rounds: int, seconds:
     for r in range(rounds):
         for c in kinds[r % len(kinds):] + kinds[:r % len(kinds)]:
             active = brokers.get(c, broker)
+            # "apart" runs no sweeper: the main broker stays up and fires while it serves
+            main_stops = active is not broker and c != f"http:{APART}"
             if active is not broker:
-                broker.proc.send_signal(signal.SIGSTOP)
+                if main_stops:
+                    broker.proc.send_signal(signal.SIGSTOP)
                 active.proc.send_signal(signal.SIGCONT)
             try:
                 out = under_load(url, active, admin, seconds, fire_rate, cancel_rate,
@@ -521,7 +528,8 @@ def bench_under_load(url: str, broker: Broker, res, admin, rounds: int, seconds:
             finally:
                 if active is not broker:
                     active.proc.send_signal(signal.SIGSTOP)
-                    broker.proc.send_signal(signal.SIGCONT)
+                    if main_stops:
+                        broker.proc.send_signal(signal.SIGCONT)
             runs[c].append(out)
             cancel_row = next((x for x in out["server_sql"] if "cancel_timer" in x[3]), None)
             load = os.getloadavg()[0]
