@@ -175,7 +175,7 @@ def variant_brokers(url: str, specs: list[str]) -> dict:
     """PARSER:LOOP -> a broker running bench/broker_variant.py with them (cancel's A/B windows)."""
     out = {}
     for spec in specs:
-        if spec == "apart":  # HTTP only; the main broker's sweeper fires meanwhile (cancel.APART)
+        if spec == cancel.APART:  # HTTP only; the main broker's sweeper fires meanwhile
             out[spec] = start_broker(url, "variant-apart",
                                      argv=[str(Path(__file__).resolve().parent / "broker_variant.py")],
                                      BENCH_SWEEPER="off")

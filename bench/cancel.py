@@ -516,7 +516,7 @@ def bench_under_load(url: str, broker: Broker, res, admin, rounds: int, seconds:
     for r in range(rounds):
         for c in kinds[r % len(kinds):] + kinds[:r % len(kinds)]:
             active = brokers.get(c, broker)
-            # "apart" runs no sweeper: the main broker stays up and fires while it serves
+            # APART runs no sweeper: the main broker stays up and fires while the variant serves
             main_stops = active is not broker and c != f"http:{APART}"
             if active is not broker:
                 if main_stops:
