@@ -246,7 +246,8 @@ CREATE FUNCTION queen.claim_timers(
     p_now       timestamptz DEFAULT NULL,
     p_zstd_only boolean     DEFAULT false,
     p_max_bytes bigint      DEFAULT NULL,
-    p_fair_after_ms integer DEFAULT 100)
+    p_fair_after_ms integer DEFAULT 100,
+    p_turn      text        DEFAULT NULL)
 RETURNS SETOF queen.claimed_timer
 LANGUAGE plpgsql AS $$
 DECLARE
@@ -256,6 +257,9 @@ DECLARE
     v_in      text[];
     v_tenants text[];
 BEGIN
+    IF p_turn IS NOT NULL THEN  -- the caller's turn, not this session's (find_due_tenants)
+        PERFORM set_config('queen.fire_turn', p_turn, false);
+    END IF;
     IF (queen.get_cell_settings()).fire_paused THEN
         RETURN;
     END IF;
@@ -338,7 +342,12 @@ $$;
 -- however many there are. Of those, the 4,096 with the oldest bound
 -- (tenant_usage_next_due_at_idx), 64 a call, taken in turn: the session's
 -- setting queen.fire_turn keeps the last one probed and the next call
--- starts after it (wrapping). When all 4,096 places are taken, the 64 are
+-- starts after it (wrapping). Behind a transaction pooler each call may
+-- run on another server connection, whose setting is another caller's: a
+-- caller that carries its own turn passes it (p_turn of fire_due_timers
+-- and claim_timers, set here before anything) and reads the new one back
+-- in the same statement, current_setting('queen.fire_turn', true) after
+-- the call, as the sweeper does (migration 023). When all 4,096 places are taken, the 64 are
 -- the next of every tenant past its bound, in tenant order from the turn
 -- (the counter rows' primary key): a served tenant's bound is not raised,
 -- so the same 4,096 would hold the window until they drained, and a tenant
@@ -622,13 +631,17 @@ CREATE FUNCTION queen.fire_due_timers(
     p_limit integer     DEFAULT 100,
     p_now   timestamptz DEFAULT NULL,
     p_redo_duplicates boolean DEFAULT true,
-    p_fair_after_ms integer DEFAULT 100)
+    p_fair_after_ms integer DEFAULT 100,
+    p_turn  text        DEFAULT NULL)
 RETURNS SETOF queen.fire_result
 LANGUAGE plpgsql AS $$
 DECLARE
     v_now  timestamptz := coalesce(p_now, now());
     v_out  queen.fire_result[];
 BEGIN
+    IF p_turn IS NOT NULL THEN  -- the caller's turn, not this session's (find_due_tenants)
+        PERFORM set_config('queen.fire_turn', p_turn, false);
+    END IF;
     IF (queen.get_cell_settings()).fire_paused THEN
         RETURN;
     END IF;

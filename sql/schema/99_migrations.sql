@@ -24,4 +24,5 @@ INSERT INTO queen.schema_migrations (version, name) VALUES
     (19, 'tenant_next_due'),
     (20, 'schedule_plain_insert'),
     (21, 'quota_lookup'),
-    (22, 'fire_many_due');
+    (22, 'fire_many_due'),
+    (23, 'fire_turn');
