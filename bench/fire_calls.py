@@ -45,9 +45,9 @@ def measure(url: str, calls: int, due: int) -> dict[str, list[float]]:
             load_timers(conn, queue=QUEUE, n=due, prefix=f"k-{i}", expected=False,
                         deliver_sql="now() - interval '1 ms'")
             t0 = time.perf_counter()
-            fired = conn.execute(FIRE_DUE, (256,)).fetchone()
+            fired = conn.execute(FIRE_DUE, (256, "")).fetchone()
             t1 = time.perf_counter()
-            conn.execute(CLAIM, ("bench-calls", 256, 30000, True, 16 << 20)).fetchall()
+            conn.execute(CLAIM, ("bench-calls", 256, 30000, True, 16 << 20, "")).fetchall()
             t2 = time.perf_counter()
             conn.execute(NEXT_DUE).fetchone()
             t3 = time.perf_counter()

@@ -46,12 +46,19 @@ log = logging.getLogger("queen_timers.sweeper")
 # row (building a Python row per timer was ~40% of the broker's time, and one
 # histogram observe() per timer ~15% after that).
 SUMMARY = lag_summary_sql("{fire}")
+# The fair share's turn (the last tenant probed, queen.find_due_tenants) is the
+# sweeper's, not the session's: behind a transaction pooler each call may run on
+# another server connection, whose turn is another caller's. Each call passes it
+# (p_turn) and reads the new one back in the same statement (migration 023).
+TURN = "current_setting('queen.fire_turn', true) AS turn"
 # No subtransaction on the common path: a txn already in its partition fails
 # the call (autocommit: it rolls back whole) and the batch is fired again
 # through the redo path, which answers 'duplicate' (FIRE_DUE_REDO).
-FIRE_DUE = SUMMARY.replace("{fire}", "SELECT * FROM queen.fire_due_timers(%s, p_redo_duplicates => false)")
-FIRE_DUE_REDO = SUMMARY.replace("{fire}", "SELECT * FROM queen.fire_due_timers(%s)")
-CLAIM = "SELECT * FROM queen.claim_timers(%s, %s, %s, p_zstd_only => %s, p_max_bytes => %s)"
+FIRE_DUE = lag_summary_sql("SELECT * FROM queen.fire_due_timers(%s, p_redo_duplicates => false, p_turn => %s)",
+                           TURN + ", ")
+FIRE_DUE_REDO = lag_summary_sql("SELECT * FROM queen.fire_due_timers(%s, p_turn => %s)", TURN + ", ")
+CLAIM = (f"SELECT c.*, {TURN} FROM queen.claim_timers(%s, %s, %s, p_zstd_only => %s, p_max_bytes => %s,"
+         " p_turn => %s) c")
 # the frames travel as four parallel arrays (no composite type to register on the connection)
 FIRE = SUMMARY.replace("{fire}", """
 SELECT * FROM queen.fire_timers(
@@ -131,6 +138,7 @@ class Sweeper:
         self._leased_idle = False
         self._leased_skips = 0
         self._next_fold = 0.0
+        self._turn = ""  # the fair share's turn ('': from the first tenant), see TURN
         self.cycles = 0
 
     # ------------------------------------------------------------------
@@ -220,9 +228,10 @@ class Sweeper:
         fast = 0
         try:
             try:
-                summary = (await self._fetch(FIRE_DUE, (batch,)))[0]
+                summary = (await self._fetch(FIRE_DUE, (batch, self._turn)))[0]
             except psycopg.errors.UniqueViolation:
-                summary = (await self._fetch(FIRE_DUE_REDO, (batch,)))[0]
+                summary = (await self._fetch(FIRE_DUE_REDO, (batch, self._turn)))[0]
+            self._turn = summary["turn"]
             fast = self.metrics.observe_fires(summary)
         except Exception as exc:
             if _lost_primary(self._conn, exc):
@@ -256,9 +265,10 @@ class Sweeper:
         that many bytes, so a batch of 1 MiB payloads never sits in memory at once."""
         s = self.settings
         max_bytes = s.sweeper_batch_bytes
-        rows = await self._fetch(CLAIM, (s.broker_id, batch, s.sweeper_lease_ms, not isolate, max_bytes))
+        rows = await self._fetch(CLAIM, (s.broker_id, batch, s.sweeper_lease_ms, not isolate, max_bytes, self._turn))
         if not rows:
             return 0, False
+        self._turn = rows[0]["turn"]
         full = len(rows) >= batch or sum(len(r["payload"]) for r in rows) >= max_bytes
         claim_id = rows[0]["claim_id"]
         chunk: list[tuple[dict, tuple]] = []

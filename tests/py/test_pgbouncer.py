@@ -230,3 +230,62 @@ def test_the_sweeper_takes_its_session_on_the_direct_url_or_polls(pooled, db, da
     while db.execute(LISTENERS).fetchone()["n"] != 1:
         assert time.monotonic() < deadline, "no LISTEN session on the direct URL"
         time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def round_robin_bouncer(admin_dsn):
+    """A second pgbouncer of POOL server connections whose idle ones are taken oldest
+    first (server_round_robin): one client's transactions run on each in turn."""
+    folder = Path(tempfile.mkdtemp(prefix="queen-pgbouncer-rr-", dir="/tmp"))
+    folder.chmod(0o755)
+    pg_port = psycopg.conninfo.conninfo_to_dict(admin_dsn)["port"]
+    port = free_port()
+    script = str(ROOT / "scripts" / "pgbouncer")
+    subprocess.run([script, "start", str(folder), str(pg_port), str(port), str(POOL), "2"], check=True,
+                   env={**os.environ, "PGBOUNCER_SERVER_ROUND_ROBIN": "1"})
+    yield port
+    subprocess.run([script, "stop", str(folder)], check=False)
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+def test_the_fair_share_keeps_its_turn_across_server_connections(round_robin_bouncer, db, spawn_broker):
+    # The fair share probes 64 tenants a batch, starting after the last one it probed (its
+    # turn). Through a transaction pooler with no direct URL, the sweeper's calls run on
+    # whichever server connection is free: here each of POOL in turn. With the turn kept in
+    # the server connection's session, a batch started from that connection's own turn and
+    # probed again tenants another connection had just served: 300 tenants waited about
+    # twice the ceil(300 / 64) = 5 batches. The sweeper carries its turn (migration 023).
+    from sweeper_support import schedule, timer
+    port = round_robin_bouncer
+    db.execute("SELECT queen.pause_fire()")
+    schedule(db, [timer("rr", f"big-{i}", -3000, b"{}") for i in range(3000)], tenant="rr-big")
+    tenants = [f"rr-{i:03d}" for i in range(300)]
+    for t in tenants:
+        schedule(db, [timer("rr", "one", -2000, b"{}")], tenant=t)
+    # every server connection of the pool open (idle) before the sweeper starts
+    barrier = threading.Barrier(POOL)
+
+    def hold():
+        with psycopg.connect(via(port), autocommit=True) as c:
+            with c.transaction():
+                c.execute("SELECT 1")
+                barrier.wait(timeout=10)
+    threads = [threading.Thread(target=hold) for _ in range(POOL)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    spawn_broker(QUEEN_DATABASE_URL=via(port), QUEEN_POOL_MODE="transaction", QUEEN_SWEEPER_BATCH="100")
+    db.execute("SELECT queen.resume_fire()")
+    deadline = time.monotonic() + 60
+    while db.execute("SELECT count(*) AS n FROM queen.timers").fetchone()["n"]:
+        assert time.monotonic() < deadline, "every timer fired"
+        time.sleep(0.05)
+    order = [r["tenant"] for r in db.execute("""
+        SELECT q.tenant FROM queen.messages m
+          JOIN queen.partitions p ON p.id = m.partition_id JOIN queen.queues q ON q.id = p.queue_id
+         WHERE q.name = 'rr' ORDER BY m.seq""").fetchall()]
+    assert len(order) == 3300 and sorted(set(order) - {"rr-big"}) == tenants
+    last = max(i for i, t in enumerate(order) if t != "rr-big")
+    # each batch: rr-big's 100 oldest, then one each for up to 64 of the others, in turn
+    assert last < 5 * (100 + 64), f"the last of the 300 tenants fired after {last} frames"
