@@ -1730,10 +1730,10 @@ $$;
 -- starts after it (wrapping). Behind a transaction pooler each call may
 -- run on another server connection, whose setting is another caller's: a
 -- caller that carries its own turn passes it (p_turn of fire_due_timers
--- and claim_timers, set here before anything) and reads the new one back
--- in the same statement, current_setting('queen.fire_turn', true) after
--- the call, as the sweeper does (migration 023). When all 4,096 places are taken, the 64 are
--- the next of every tenant past its bound, in tenant order from the turn
+-- and claim_timers, which set it before anything) and reads the new one
+-- back in the same statement, current_setting('queen.fire_turn', true)
+-- over the call, as the sweeper does (migration 023). When all 4,096
+-- places are taken, the 64 are the next of every tenant past its bound, in tenant order from the turn
 -- (the counter rows' primary key): a served tenant's bound is not raised,
 -- so the same 4,096 would hold the window until they drained, and a tenant
 -- past them would wait for all their backlogs (migration 022). Each is
