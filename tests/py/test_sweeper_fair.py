@@ -63,3 +63,30 @@ def test_the_leased_path_shares_too(sdb, sweeper_broker):
     order = fire_all(sdb, sweeper_broker)
     assert len(order) == 3_001
     assert order.index("fair-b") <= BATCH, order.index("fair-b")
+
+
+def test_the_sweepers_statements_read_back_the_turn(sdb):
+    # The sweeper carries the fair share's turn (migration 023): each statement passes it and
+    # reads back, in the same statement, the turn the call left (the last tenant it probed).
+    # 'aa-big': 10 plain and 10 zstd timers due 3 s ago; tt-00 .. tt-69 one of each, due 2 s ago.
+    from queen_timers.sweeper import CLAIM, FIRE_DUE, FIRE_DUE_REDO
+    big = [timer("fair", f"big-{z}{g}", -3000, b"{}", compressed=z == "z") for g in range(10) for z in "pz"]
+    schedule(sdb, big, tenant="aa-big")
+    for i in range(70):
+        schedule(sdb, [timer("fair", f"one-{z}", -2000, b"{}", compressed=z == "z") for z in "pz"],
+                 tenant=f"tt-{i:02d}")
+    sdb.execute("SELECT set_config('queen.fire_turn', 'tt-50', false)")  # another caller's turn
+
+    def turn_after(sql: str, params: tuple) -> str:
+        rows = sdb.execute(sql, params).fetchall()
+        assert rows and len({r["turn"] for r in rows}) == 1
+        return rows[0]["turn"]
+
+    # a full claim of aa-big's oldest 5 zstd timers: then 64 candidates after tt-10, wrapping
+    assert turn_after(CLAIM, ("b1", 5, 60000, True, 1 << 20, "tt-10")) == "tt-04"
+    # the fast path, both statements: after tt-30 (tt-31 .. tt-69, tt-00 .. tt-24), after tt-24
+    assert turn_after(FIRE_DUE, (5, "tt-30")) == "tt-24"
+    assert turn_after(FIRE_DUE_REDO, (5, "tt-24")) == "tt-18"
+    # a batch that probes nobody hands back the turn it was given
+    sdb.execute("SELECT queen.pause_fire()")
+    assert turn_after(FIRE_DUE, (5, "tt-42")) == "tt-42"
