@@ -12,6 +12,7 @@ pool (503 with Retry-After) and the statement timeout are checked through it.
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import os
 import shutil
@@ -32,19 +33,30 @@ from timers_util import op, post
 POOL = 4
 
 
-@pytest.fixture(scope="module")
-def bouncer(admin_dsn, database_url):
-    """(pgbouncer's port, its folder) in front of the test cluster."""
+@contextlib.contextmanager
+def running_bouncer(admin_dsn: str, **env: str):
+    """(port, folder) of a pgbouncer of POOL server connections in front of the test cluster;
+    env: more of scripts/pgbouncer's settings."""
     # under /tmp itself: pgbouncer runs as postgres, who cannot enter pytest's 0700 folders
     folder = Path(tempfile.mkdtemp(prefix="queen-pgbouncer-", dir="/tmp"))
     folder.chmod(0o755)
     pg_port = psycopg.conninfo.conninfo_to_dict(admin_dsn)["port"]
     port = free_port()
     script = str(ROOT / "scripts" / "pgbouncer")
-    subprocess.run([script, "start", str(folder), str(pg_port), str(port), str(POOL), "2"], check=True)
-    yield port, folder
-    subprocess.run([script, "stop", str(folder)], check=False)
-    shutil.rmtree(folder, ignore_errors=True)
+    subprocess.run([script, "start", str(folder), str(pg_port), str(port), str(POOL), "2"], check=True,
+                   env={**os.environ, **env})
+    try:
+        yield port, folder
+    finally:
+        subprocess.run([script, "stop", str(folder)], check=False)
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def bouncer(admin_dsn, database_url):
+    """(pgbouncer's port, its folder) in front of the test cluster."""
+    with running_bouncer(admin_dsn) as running:
+        yield running
 
 
 def admin(folder: Path, command: str) -> str:
@@ -236,16 +248,8 @@ def test_the_sweeper_takes_its_session_on_the_direct_url_or_polls(pooled, db, da
 def round_robin_bouncer(admin_dsn):
     """A second pgbouncer of POOL server connections whose idle ones are taken oldest
     first (server_round_robin): one client's transactions run on each in turn."""
-    folder = Path(tempfile.mkdtemp(prefix="queen-pgbouncer-rr-", dir="/tmp"))
-    folder.chmod(0o755)
-    pg_port = psycopg.conninfo.conninfo_to_dict(admin_dsn)["port"]
-    port = free_port()
-    script = str(ROOT / "scripts" / "pgbouncer")
-    subprocess.run([script, "start", str(folder), str(pg_port), str(port), str(POOL), "2"], check=True,
-                   env={**os.environ, "PGBOUNCER_SERVER_ROUND_ROBIN": "1"})
-    yield port
-    subprocess.run([script, "stop", str(folder)], check=False)
-    shutil.rmtree(folder, ignore_errors=True)
+    with running_bouncer(admin_dsn, PGBOUNCER_SERVER_ROUND_ROBIN="1") as (port, _):
+        yield port
 
 
 def test_the_fair_share_keeps_its_turn_across_server_connections(round_robin_bouncer, db, spawn_broker):
