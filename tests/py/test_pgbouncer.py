@@ -7,6 +7,8 @@ QUEEN_POOL_MODE=transaction: no startup options, no prepared statements, the
 statement timeout per transaction. Every route, the CLI, a pgbouncer restart
 and PAUSE/RESUME mid-load (nothing lost, nothing fired twice), an exhausted
 pool (503 with Retry-After) and the statement timeout are checked through it.
+A second pgbouncer hands out its idle server connections in turn
+(server_round_robin): the sweeper's fair share keeps its turn across them.
 """
 
 from __future__ import annotations
