@@ -31,14 +31,14 @@ def lag_summary_sql(fire: str, extra: str = "") -> str:
     """One row summing a fire call's queen.fire_result rows: counts by outcome, and the fire
     lags of the fired ones (fired_at - deliver_at, floored at 0) as a histogram: their sum
     and, per LAG_BUCKETS bound, how many are <= it. PostgreSQL does the per-timer work, so
-    the broker adds 14 numbers per call instead of observing every timer (sweeper.SUMMARY).
+    the broker adds 14 numbers per call instead of observing every timer (sweeper.FIRE_DUE, FIRE).
     The lag is computed once per row (OFFSET 0 keeps the subquery from being flattened into
     every FILTER) and in float8 (date_part; extract() would compute it in numeric).
-    extra: more output columns, computed once the call has run (`expr AS name, `)."""
+    extra: one more output column (`expr AS name`), computed once the call has run."""
     les = ",\n             ".join(f"count(*) FILTER (WHERE r.outcome = 'fired' AND r.lag <= {b!r})"
                                    for b in LAG_BUCKETS)
     return f"""
-SELECT {extra}count(*) AS n,
+SELECT {extra + ", " if extra else ""}count(*) AS n,
        count(*) FILTER (WHERE r.outcome = 'fired') AS fired,
        count(*) FILTER (WHERE r.outcome = 'duplicate') AS duplicate,
        count(*) FILTER (WHERE r.outcome = 'lost') AS lost,

@@ -44,8 +44,7 @@ log = logging.getLogger("queen_timers.sweeper")
 # The fire functions answer one queen.fire_result row per timer; the sweeper
 # needs only the counts and the lag histogram, so PostgreSQL folds them into one
 # row (building a Python row per timer was ~40% of the broker's time, and one
-# histogram observe() per timer ~15% after that).
-SUMMARY = lag_summary_sql("{fire}")
+# histogram observe() per timer ~15% after that): lag_summary_sql.
 # The fair share's turn (the last tenant probed, queen.find_due_tenants) is the
 # sweeper's, not the session's: behind a transaction pooler each call may run on
 # another server connection, whose turn is another caller's. Each call passes it
@@ -55,12 +54,12 @@ TURN = "current_setting('queen.fire_turn', true) AS turn"
 # the call (autocommit: it rolls back whole) and the batch is fired again
 # through the redo path, which answers 'duplicate' (FIRE_DUE_REDO).
 FIRE_DUE = lag_summary_sql("SELECT * FROM queen.fire_due_timers(%s, p_redo_duplicates => false, p_turn => %s)",
-                           TURN + ", ")
-FIRE_DUE_REDO = lag_summary_sql("SELECT * FROM queen.fire_due_timers(%s, p_turn => %s)", TURN + ", ")
+                           TURN)
+FIRE_DUE_REDO = lag_summary_sql("SELECT * FROM queen.fire_due_timers(%s, p_turn => %s)", TURN)
 CLAIM = (f"SELECT c.*, {TURN} FROM queen.claim_timers(%s, %s, %s, p_zstd_only => %s, p_max_bytes => %s,"
          " p_turn => %s) c")
 # the frames travel as four parallel arrays (no composite type to register on the connection)
-FIRE = SUMMARY.replace("{fire}", """
+FIRE = lag_summary_sql("""
 SELECT * FROM queen.fire_timers(
     %s, (SELECT array_agg(ROW(f.tenant, f.queue, f.timer_key, f.payload)::queen.fire_frame)
            FROM unnest(%s::text[], %s::text[], %s::text[], %s::bytea[]) AS f(tenant, queue, timer_key, payload)))

@@ -348,11 +348,11 @@ $$;
 -- and claim_timers, which set it before anything) and reads the new one
 -- back in the same statement, current_setting('queen.fire_turn', true)
 -- over the call, as the sweeper does (migration 023). When all 4,096
--- places are taken, the 64 are the next of every tenant past its bound, in tenant order from the turn
--- (the counter rows' primary key): a served tenant's bound is not raised,
--- so the same 4,096 would hold the window until they drained, and a tenant
--- past them would wait for all their backlogs (migration 022). Each is
--- probed with one descent of
+-- places are taken, the 64 are the next of every tenant past its bound,
+-- in tenant order from the turn (the counter rows' primary key): a served
+-- tenant's bound is not raised, so the same 4,096 would hold the window
+-- until they drained, and a tenant past them would wait for all their
+-- backlogs (migration 022). Each is probed with one descent of
 -- timers_tenant_deliver_at_idx (timers_tenant_zstd_deliver_at_idx), so no
 -- tenant's backlog is walked. A candidate found with nothing due has its
 -- bound raised to its earliest timer (infinity: none), so it is not
