@@ -172,18 +172,17 @@ def bench_profile(url: str, broker, res, n: int) -> None:
 
 
 def variant_brokers(url: str, specs: list[str]) -> dict:
-    """PARSER:LOOP -> a broker running bench/broker_variant.py with them (cancel's A/B windows)."""
+    """PARSER:LOOP -> a broker running bench/broker_variant.py with them (cancel's A/B windows);
+    cancel.APART -> one that serves HTTP with no sweeper (the main broker's fires meanwhile)."""
+    argv = [str(Path(__file__).resolve().parent / "broker_variant.py")]
     out = {}
     for spec in specs:
-        if spec == cancel.APART:  # HTTP only; the main broker's sweeper fires meanwhile
-            out[spec] = start_broker(url, "variant-apart",
-                                     argv=[str(Path(__file__).resolve().parent / "broker_variant.py")],
-                                     BENCH_SWEEPER="off")
-            continue
-        parser, _, loop = spec.partition(":")
-        out[spec] = start_broker(url, f"variant-{parser}-{loop or 'default'}",
-                                 argv=[str(Path(__file__).resolve().parent / "broker_variant.py")],
-                                 BENCH_HTTP=parser, BENCH_LOOP=loop)
+        if spec == cancel.APART:
+            name, env = "variant-apart", {"BENCH_SWEEPER": "off"}
+        else:
+            parser, _, loop = spec.partition(":")
+            name, env = f"variant-{parser}-{loop or 'default'}", {"BENCH_HTTP": parser, "BENCH_LOOP": loop}
+        out[spec] = start_broker(url, name, argv=argv, **env)
     return out
 
 
