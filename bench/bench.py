@@ -173,12 +173,16 @@ def bench_profile(url: str, broker, res, n: int) -> None:
 
 def variant_brokers(url: str, specs: list[str]) -> dict:
     """PARSER:LOOP -> a broker running bench/broker_variant.py with them (cancel's A/B windows);
-    cancel.APART -> one that serves HTTP with no sweeper (the main broker's fires meanwhile)."""
-    argv = [str(Path(__file__).resolve().parent / "broker_variant.py")]
+    cancel.APART -> one that serves HTTP with no sweeper (the main broker's fires meanwhile);
+    cancel.FLOOR -> bench/shell_floor.py, the least a DELETE costs on this stack (no sweeper either)."""
+    here = Path(__file__).resolve().parent
     out = {}
     for spec in specs:
+        argv = [str(here / "broker_variant.py")]
         if spec == cancel.APART:
             name, env = "variant-apart", {"BENCH_SWEEPER": "off"}
+        elif spec == cancel.FLOOR:
+            name, env, argv = "variant-floor", {}, [str(here / "shell_floor.py")]
         else:
             parser, _, loop = spec.partition(":")
             name, env = f"variant-{parser}-{loop or 'default'}", {"BENCH_HTTP": parser, "BENCH_LOOP": loop}
@@ -210,6 +214,9 @@ def main() -> int:
                     help="QUEEN_SWEEPER_BATCH_BYTES of the rss broker (0: the default)")
     ap.add_argument("--sched-batches", type=int, default=100)
     ap.add_argument("--sched-rounds", type=int, default=5, help="schedule section: rotating rounds (>= 5)")
+    ap.add_argument("--sched-floor", action="store_true",
+                    help="schedule section: a fourth side, POST through bench/shell_floor.py (the fast path's "
+                         "decode, checks and statement with none of the broker's plumbing)")
     ap.add_argument("--clients", default="1,4", help="schedule section: the client counts, each its own rounds")
     ap.add_argument("--lag-rate", type=int, default=1000)
     ap.add_argument("--lag-seconds", type=float, default=60)
@@ -240,7 +247,8 @@ def main() -> int:
     ap.add_argument("--cancel-load-variant", action="append", default=[], metavar="PARSER:LOOP",
                     help="also DELETE through a second broker with this HTTP parser (h11, httptools) and event "
                          "loop (asyncio, uvloop), windows alternating (bench/broker_variant.py); repeatable. "
-                         "'apart': a broker with no sweeper, while the main broker's sweeper fires")
+                         "'apart': a broker with no sweeper, while the main broker's sweeper fires; 'floor': "
+                         "bench/shell_floor.py, the least any shell on this stack spends on a DELETE")
     ap.add_argument("--mem-clients", type=int, default=8, help="mem: clients per kind of worst request, at once")
     ap.add_argument("--mem-size-mb", type=int, default=360, help="mem: size of the hostile bodies (MB)")
     ap.add_argument("--mem-delete-rate", type=float, default=200, help="mem: the other tenant's DELETEs per second")
@@ -321,7 +329,9 @@ def main() -> int:
                 args.fire_alt_batch if args.fire_alt_batch and args.fire_alt_batch != perf.BATCH else None)
         section("scale", scale.bench_scale, cluster, url, broker, res, args.scale_n, args.scale_rounds)
         section("schedule", schedule.bench_schedule, url, broker, res, args.sched_batches,
-                [int(c) for c in str(args.clients).split(",") if c.strip()], args.sched_rounds)
+                [int(c) for c in str(args.clients).split(",") if c.strip()], args.sched_rounds,
+                floor=variant_brokers(url, [cancel.FLOOR])[cancel.FLOOR] if args.sched_floor and "schedule" in only
+                else None)
         section("lag", perf.bench_lag, url, broker, res, args.lag_rate, args.lag_seconds)
         section("lag2", scale.bench_lag_brokers, cluster, url, broker, res, args.lag2_rate, args.lag2_seconds,
                 args.lag2_brokers, args.lag2_target_ms)

@@ -491,6 +491,8 @@ def under_load(url: str, broker: Broker, admin, seconds: float, fire_rate: int, 
 
 
 APART = "apart"  # bench.variant_brokers: a broker that serves HTTP and runs no sweeper
+FLOOR = "floor"  # bench.variant_brokers: bench/shell_floor.py, a DELETE at the least this stack costs
+NO_SWEEPER = (APART, FLOOR)  # variants during whose windows the main broker stays up and fires
 
 
 def bench_under_load(url: str, broker: Broker, res, admin, rounds: int, seconds: float, fire_rate: int,
@@ -500,8 +502,8 @@ def bench_under_load(url: str, broker: Broker, res, admin, rounds: int, seconds:
     window printed, then the median of the per-window p99s. `variants` (name ->
     another broker on the same database) adds an "http:NAME" client kind: DELETE
     through that broker, with every other broker stopped (SIGSTOP) meanwhile, so
-    that only the measured broker's sweeper fires; but for APART, a broker with no
-    sweeper: the main broker fires meanwhile (the sweeper in a process of its own)."""
+    that only the measured broker's sweeper fires; but for APART (a broker with no
+    sweeper) and FLOOR (bench/shell_floor.py) the main broker fires meanwhile."""
     admin.execute("ALTER SYSTEM SET track_wal_io_timing = on")  # pg_stat_wal.wal_sync_time: the commits' fsync
     admin.execute("SELECT pg_reload_conf()")
     variants = variants or {}
@@ -516,8 +518,8 @@ def bench_under_load(url: str, broker: Broker, res, admin, rounds: int, seconds:
     for r in range(rounds):
         for c in kinds[r % len(kinds):] + kinds[:r % len(kinds)]:
             active = brokers.get(c, broker)
-            # APART runs no sweeper: the main broker stays up and fires while the variant serves
-            main_stops = active is not broker and c != f"http:{APART}"
+            # APART and FLOOR run no sweeper: the main broker stays up and fires while they serve
+            main_stops = active is not broker and c.partition(":")[2] not in NO_SWEEPER
             if active is not broker:
                 if main_stops:
                     broker.proc.send_signal(signal.SIGSTOP)
@@ -676,6 +678,15 @@ def _bench_cancel(url, broker, res, n, rounds, http_n, load_seconds, fire_rate, 
             f"{', '.join(f'{x:.2f}' for x in per_round)}; against the SQL section's "
             f"{med['cancel_timer']['p50_ms']:.3f} ms: {hmed['1']['p50_ms'] / med['cancel_timer']['p50_ms']:.2f}) "
             f"(target <= {TARGET_DELETE_VS_SQL_P50}) {'met' if shell <= TARGET_DELETE_VS_SQL_P50 else 'MISSED'}")
+        for name in variants:  # each variant's DELETE beside the same SQL rounds and the broker's
+            v = http_runs[f"1 {name}"]
+            vs_sql = [h["p50_ms"] / q["p50_ms"] for h, q in zip(v, http_runs["sql"])]
+            broker_vs = [b["p50_ms"] / h["p50_ms"] for b, h in zip(http_runs["1"], v)]
+            log(f"  ratio DELETE p50 via {name} / cancel_timer p50 (SQL): "
+                f"{hmed[f'1 {name}']['p50_ms'] / hmed['sql']['p50_ms']:.2f} (per round "
+                f"{', '.join(f'{x:.2f}' for x in vs_sql)}); the broker's DELETE p50 / {name}'s: "
+                f"{hmed['1']['p50_ms'] / hmed[f'1 {name}']['p50_ms']:.2f} (per round "
+                f"{', '.join(f'{x:.2f}' for x in broker_vs)})")
         res.put("cancel_http", n=http_n, rounds=rounds, ratio_p50_vs_sql=round(shell, 3),
                 ratio_p50_per_round=[round(x, 3) for x in per_round],
                 median={f"{c}_clients": {k: round(x, 3) for k, x in v.items()} for c, v in hmed.items()},

@@ -172,14 +172,20 @@ async def _http_side(broker: Broker, bodies: list[bytes], clients: int) -> tuple
             c.close()
 
 
-def run_side(url: str, broker: Broker, admin, side: str, ops: list[list[dict]], clients: int) -> dict:
+def run_side(url: str, broker: Broker, admin, side: str, ops: list[list[dict]], clients: int,
+             floor: Broker | None = None) -> dict:
     clean(admin)
     total = sum(len(b) for b in ops)
     out: dict = {}
-    if side == "http":
+    if side in ("http", "floor"):
         bodies = [json.dumps({"operations": b}).encode() for b in ops]
-        # uvloop and orjson: the client costs little beside the SQL side's (psycopg's rows)
-        secs, codes, ok = uvloop.run(_http_side(broker, bodies, clients))
+        if side == "floor":  # the broker stopped, as for the SQL sides
+            broker.proc.send_signal(signal.SIGSTOP)
+        try:
+            # uvloop and orjson: the client costs little beside the SQL side's (psycopg's rows)
+            secs, codes, ok = uvloop.run(_http_side(floor if side == "floor" else broker, bodies, clients))
+        finally:
+            broker.proc.send_signal(signal.SIGCONT)
         out["codes"] = codes
         out["scheduled"] = ok
     else:
@@ -264,16 +270,23 @@ def verdict_join(again_plan: str) -> str:
 # The section
 # -------------------------------------------------------------------------
 
-def bench_schedule(url: str, broker: Broker, res, n_batches: int, clients: list[int], rounds: int) -> None:
-    for i, c in enumerate(clients):
-        _bench_schedule(url, broker, res, n_batches, c, rounds, profile_after=(i == len(clients) - 1))
+def bench_schedule(url: str, broker: Broker, res, n_batches: int, clients: list[int], rounds: int,
+                   floor: Broker | None = None) -> None:
+    """`floor`: bench/shell_floor.py, a fourth side (POST through it, the broker stopped)."""
+    try:
+        for i, c in enumerate(clients):
+            _bench_schedule(url, broker, res, n_batches, c, rounds, profile_after=(i == len(clients) - 1),
+                            floor=floor)
+    finally:
+        if floor is not None:
+            floor.stop()
 
 
 def _bench_schedule(url: str, broker: Broker, res, n_batches: int, clients: int, rounds: int,
-                    profile_after: bool) -> None:
+                    profile_after: bool, floor: Broker | None = None) -> None:
     key = f"schedule_throughput_c{clients}"
     total = n_batches * BATCH
-    sides = ("sql", "bare", "http")
+    sides = ("sql", "bare", "http", "floor") if floor else ("sql", "bare", "http")
     log(f"\n== schedule: {total} ops in {n_batches} batches of {BATCH}, {clients} concurrent clients; "
         f"queen.schedule_timers vs a bare batched upsert, HTTP vs SQL; {rounds} rotating rounds ==")
     ops = batches(n_batches)
@@ -283,13 +296,14 @@ def _bench_schedule(url: str, broker: Broker, res, n_batches: int, clients: int,
         admin.execute("SELECT pg_reload_conf()")
         try:
             for r in range(rounds):
-                order = sides[r % 3:] + sides[:r % 3]
+                order = sides[r % len(sides):] + sides[:r % len(sides)]
                 for side in order:
-                    out = run_side(url, broker, admin, side, ops, clients)
+                    out = run_side(url, broker, admin, side, ops, clients, floor)
                     runs[side].append(out)
                     extra = {"sql": lambda o: f"{o['verdicts']} verdicts",
                              "bare": lambda o: "",
-                             "http": lambda o: f"{o['scheduled']} scheduled, status {o['codes']}"}[side](out)
+                             "http": lambda o: f"{o['scheduled']} scheduled, status {o['codes']}",
+                             "floor": lambda o: f"{o['scheduled']} scheduled, status {o['codes']}"}[side](out)
                     log(f"  round {r + 1} {side:4s}: {out['per_s']:8.0f} ops/s ({out['secs']:.2f} s; "
                         f"{out['rows']} rows, counter {out['counter']}{'; ' + extra if extra else ''})")
                     if out["rows"] != total or (side != "bare" and out["counter"] != total):
@@ -311,6 +325,14 @@ def _bench_schedule(url: str, broker: Broker, res, n_batches: int, clients: int,
         log(f"  ratio HTTP / SQL: {ratio_hs:.2f} (medians; per round "
             f"{', '.join(f'{x:.2f}' for x in r_hs)}; median {statistics.median(r_hs):.2f}) "
             f"(target >= {TARGET_HTTP_VS_SQL}) {'met' if ratio_hs >= TARGET_HTTP_VS_SQL else 'MISSED'}")
+        if floor:
+            r_fs = [a["per_s"] / b["per_s"] for a, b in zip(runs["floor"], runs["sql"])]
+            r_hf = [a["per_s"] / b["per_s"] for a, b in zip(runs["http"], runs["floor"])]
+            log(f"  ratio floor / SQL: {med['floor'] / med['sql']:.2f} (the least a shell on this stack costs; per "
+                f"round {', '.join(f'{x:.2f}' for x in r_fs)}); HTTP / floor: {med['http'] / med['floor']:.2f} "
+                f"(the broker's plumbing; per round {', '.join(f'{x:.2f}' for x in r_hf)})")
+            res.put(key, ratio_floor_vs_sql=round(med["floor"] / med["sql"], 3),
+                    ratio_http_vs_floor=round(med["http"] / med["floor"], 3))
         res.put(key, ops=total, clients=clients, rounds=rounds,
                 median_ops_per_s={k: round(v) for k, v in med.items()},
                 runs_ops_per_s={k: [round(x["per_s"]) for x in v] for k, v in runs.items()},
