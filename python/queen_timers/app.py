@@ -119,9 +119,12 @@ class HotRoutes:
 
     on_direct = staticmethod(lambda: None)  # counts the requests server.py's direct lane serves
 
-    def __init__(self, routes: list[tuple[Route, str]]):
+    def __init__(self, routes: list[tuple[Route, str]], answers: dict | None = None):
         self.lanes = [(route.path_regex, route.param_convertors, method, route.endpoint)
                       for route, method in routes]
+        # endpoint -> answer(app, scope): its 200 answer's JSON without a Request or a
+        # Response, for server.py's direct lane (respond_direct)
+        self.answers = answers or {}
 
     def match(self, scope):
         method, path = scope["method"], scope["path"]
@@ -136,16 +139,32 @@ class HotRoutes:
         scope["app"] = app
         request = Request(scope, receive, send)
         try:
-            try:
-                return await endpoint(request)
-            except Exception as exc:
-                handler = next((app.exception_handlers[c] for c in type(exc).__mro__
-                                if c is not Exception and c in app.exception_handlers), None)
-                if handler is None:
-                    raise
-                return await handler(request, exc)
+            return await endpoint(request)
+        except Exception as exc:
+            return await self._handle(app, request, exc)
+
+    async def respond_direct(self, app: Starlette, answer, scope, receive) -> tuple[int, list, bytes]:
+        """respond's status, headers and body for an endpoint with an answer function: the
+        same bytes (Response's headers for a JSON body), without building either object
+        on success (a tenth of the direct lane's CPU on a DELETE)."""
+        scope["app"] = app
+        try:
+            body = await answer(app, scope)
+        except Exception as exc:
+            response = await self._handle(app, Request(scope, receive), exc)
+            return response.status_code, response.raw_headers, response.body
+        return 200, [(b"content-length", b"%d" % len(body)), (b"content-type", b"application/json")], body
+
+    async def _handle(self, app: Starlette, request: Request, exc: Exception) -> Response:
+        """exc's handler's response (app.exception_handlers), or a JSON 500."""
+        try:
+            handler = next((app.exception_handlers[c] for c in type(exc).__mro__
+                            if c is not Exception and c in app.exception_handlers), None)
+            if handler is None:
+                raise exc
+            return await handler(request, exc)
         except Exception:
-            log.exception("unexpected error on %s %s", scope.get("method"), scope.get("path"))
+            log.exception("unexpected error on %s %s", request.scope.get("method"), request.scope.get("path"))
             return internal_error_response()
 
     async def serve(self, app: Starlette, hit, scope, receive, send) -> None:
@@ -240,7 +259,8 @@ def create_app(settings: Settings | None = None) -> Starlette:
         middleware=[Middleware(BodyBudgetRelease), Middleware(UnexpectedErrors)],
         lifespan=lifespan,
     )
-    app.hot = HotRoutes([(routes_timers.SCHEDULE_ROUTE, "POST"), (routes_timers.KEY_ROUTE, "DELETE")])
+    app.hot = HotRoutes([(routes_timers.SCHEDULE_ROUTE, "POST"), (routes_timers.KEY_ROUTE, "DELETE")],
+                        answers={routes_timers.KEY_ROUTE.endpoint: routes_timers.cancel_answer})
     app.hot.on_direct = sweeper.metrics.http_direct.inc
     app.on_connection_reclaimed = sweeper.metrics.http_reclaimed.inc
     app.on_send_timed_out = sweeper.metrics.http_send_timeouts.inc

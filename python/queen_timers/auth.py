@@ -116,9 +116,14 @@ class Authenticator:
         return Principal(tenant=claims["tenant"], sub=claims["sub"], role=role)
 
     def require(self, request: Request, level: str) -> Principal:
-        principal = self.principal(request)
-        request.scope[TENANT_KEY] = principal.tenant  # the body budget's share is per tenant
+        return self.require_scope(request.scope, level)
+
+    def require_scope(self, scope: dict, level: str) -> Principal:
+        principal = self.identify(scope)
+        if isinstance(principal, ApiError):
+            raise principal
+        scope[TENANT_KEY] = principal.tenant  # the body budget's share is per tenant
         if not principal.allows(level):
             raise ApiError(403, "forbidden", f"this route needs {level}; the credential is {principal.role}")
-        self.slots.take(request.scope, principal.tenant)  # 503 past the tenant's share of requests
+        self.slots.take(scope, principal.tenant)  # 503 past the tenant's share of requests
         return principal

@@ -268,9 +268,13 @@ def _path_parts(request: Request) -> tuple[str, str | None]:
     """(queue, timerKey or None) from the raw path, so that `tenant/42` and
     `tenant%2F42` are the same key and a queue segment is decoded exactly once.
     Raises UnicodeDecodeError when the bytes are not UTF-8."""
-    raw = request.scope.get("raw_path")
+    return _scope_path_parts(request.scope)
+
+
+def _scope_path_parts(scope: dict) -> tuple[str, str | None]:
+    raw = scope.get("raw_path")
     if not raw:  # no raw path from the server: the decoded one is the best we have
-        raw = request.url.path.encode("utf-8")
+        raw = Request(scope).url.path.encode("utf-8")
     raw = raw.split(b"?", 1)[0]
     prefix = PREFIX.encode() + b"/"
     rest = raw[len(prefix):] if raw.startswith(prefix) else b""
@@ -282,8 +286,12 @@ def _path_parts(request: Request) -> tuple[str, str | None]:
 
 
 def _path_or_400(request: Request) -> tuple[str, str | None]:
+    return _scope_path_or_400(request.scope)
+
+
+def _scope_path_or_400(scope: dict) -> tuple[str, str | None]:
     try:
-        queue, key = _path_parts(request)
+        queue, key = _scope_path_parts(scope)
     except UnicodeDecodeError:
         raise bad_request("the path is not valid percent-encoded UTF-8") from None
     if not queue:
@@ -301,10 +309,14 @@ async def _run(request: Request, fn, *, hint: bool = False, read: bool = False):
     by capacity, naming the cancel route that passes no rung. read=True (peek,
     list) uses the read pool (QUEEN_READ_DATABASE_URL, a hot standby) when the
     broker has one; the verdict routes always use the primary's pool."""
-    state = request.app.state
+    return await _run_on(request.app, request.scope, fn, hint=hint, read=read)
+
+
+async def _run_on(app, scope: dict, fn, *, hint: bool = False, read: bool = False):
+    state = app.state
     pool = state.read_pool if read and state.read_pool is not None else state.pool
     try:
-        async with pool.connection(tenant=request.scope.get(TENANT_KEY)) as conn:
+        async with pool.connection(tenant=scope.get(TENANT_KEY)) as conn:
             return await fn(conn)
     except Exception as exc:  # mapped here or re-raised to app.py's handler
         mapped = from_exception(exc)
@@ -751,11 +763,18 @@ CANCEL = db.Statement(CANCEL_SQL)
 
 
 async def cancel(request: Request) -> Response:
-    principal = request.app.state.auth.require(request, READ_WRITE)
-    queue, key = _path_or_400(request)
+    return Response(await cancel_answer(request.app, request.scope), media_type="application/json")
+
+
+async def cancel_answer(app, scope: dict) -> bytes:
+    """The DELETE's answer (JSON), from the request's scope alone: server.py's direct lane
+    writes it without a Request or a Response (app.HotRoutes). Raises what the route's
+    handlers answer (ApiError, and the database's errors mapped by _run_on)."""
+    principal = app.state.auth.require_scope(scope, READ_WRITE)
+    queue, key = _scope_path_or_400(scope)
     if not key:
         raise bad_request("timerKey is required")
-    txn = request.query_params.get("txn") if request.scope["query_string"] else None
+    txn = Request(scope).query_params.get("txn") if scope["query_string"] else None
     if txn is not None:
         check_name("txn", txn, "")
 
@@ -765,10 +784,10 @@ async def cancel(request: Request) -> Response:
         row = await db.fetch_row(conn, CANCEL, {"tenant": principal.tenant, "queue": queue, "timer_key": key})
         return row[0]
 
-    status = await _run(request, work)
+    status = await _run_on(app, scope, work)
     # orjson: the same compact UTF-8 JSON as JSONResponse, without the stdlib encoder's cost
-    return Response(orjson.dumps({"ok": status == "cancelled", "status": status, "queue": queue,
-                                  "timerKey": key, "txn": txn or None}), media_type="application/json")
+    return orjson.dumps({"ok": status == "cancelled", "status": status, "queue": queue,
+                         "timerKey": key, "txn": txn or None})
 
 
 # ---------------------------------------------------------------------------

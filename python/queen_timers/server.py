@@ -436,17 +436,22 @@ class JsonErrorHttpToolsProtocol(HttpToolsProtocol):
         try:
             if self.app.turns is not None:
                 await self.app.take_turn(scope)
-            response = await self.app.hot.respond(self.app, hit, scope, _no_body)
+            hot = self.app.hot
+            answer = hot.answers.get(hit[0])
+            if answer is not None:
+                status, headers, body = await hot.respond_direct(self.app, answer, scope, _no_body)
+            else:
+                response = await hot.respond(self.app, hit, scope, _no_body)
+                status, headers, body = response.status_code, response.raw_headers, response.body
         finally:
             release_body(scope)
         if cycle.disconnected:
             return
-        headers = response.raw_headers
         if any(name == b"connection" and b"close" in value.lower() for name, value in headers):
             cycle.keep_alive = False
         elif not cycle.keep_alive:  # shutdown() asked for it
             headers = [*headers, (b"connection", b"close")]
-        self.transport.write(self._answer(response.status_code, headers, response.body))
+        self.transport.write(self._answer(status, headers, body))
         cycle.response_complete = True
         if not cycle.keep_alive:
             self.transport.close()
