@@ -62,12 +62,6 @@ class Authenticator:
         self.leeway = settings.jwt_leeway_seconds
         self.slots = RequestSlots(settings.tenant_max_requests, settings.max_connections)
 
-    def principal(self, request: Request) -> Principal:
-        found = self.identify(request.scope)
-        if isinstance(found, ApiError):
-            raise found
-        return found
-
     def identify(self, scope: dict) -> Principal | ApiError:
         """The request's principal, or the 401 its credential earns: checked once per
         request, when it takes its turn (turns.py), and kept in the scope for require()."""
