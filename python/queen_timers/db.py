@@ -603,8 +603,7 @@ class BrokerPool(AsyncConnectionPool):
     def _take_idle(self) -> AsyncConnection | None:
         if not self._pool or self._waiting or self._closed or self._lock.locked():
             return None
-        conn = self._pool.pop()  # last in, first out, as _get_ready_connection
-        self._nconns_min = min(self._nconns_min, len(self._pool))
+        conn = self._pop_idle()  # last in, first out, as _get_ready_connection
         try:
             check_now(conn, writable=self.writable and not self.behind_pooler)
         except psycopg.Error:  # broken, or now on a read-only server: the pool's own path handles it
@@ -690,6 +689,11 @@ class BrokerPool(AsyncConnectionPool):
             raise PoolTimeout()
         if not self._pool:
             return await super()._get_ready_connection(timeout)  # none idle: its queue rules
+        return self._pop_idle()
+
+    def _pop_idle(self) -> AsyncConnection:
+        """The idle connection used last, with the pool's low-water mark of idle connections
+        kept as psycopg_pool keeps it (its shrink closes those that stayed unused)."""
         conn = self._pool.pop()
         self._nconns_min = min(self._nconns_min, len(self._pool))
         return conn

@@ -264,14 +264,10 @@ def list_row_json(r: dict) -> dict:
     }
 
 
-def _path_parts(request: Request) -> tuple[str, str | None]:
+def _path_parts(scope: dict) -> tuple[str, str | None]:
     """(queue, timerKey or None) from the raw path, so that `tenant/42` and
     `tenant%2F42` are the same key and a queue segment is decoded exactly once.
     Raises UnicodeDecodeError when the bytes are not UTF-8."""
-    return _scope_path_parts(request.scope)
-
-
-def _scope_path_parts(scope: dict) -> tuple[str, str | None]:
     raw = scope.get("raw_path")
     if not raw:  # no raw path from the server: the decoded one is the best we have
         raw = Request(scope).url.path.encode("utf-8")
@@ -291,7 +287,7 @@ def _path_or_400(request: Request) -> tuple[str, str | None]:
 
 def _scope_path_or_400(scope: dict) -> tuple[str, str | None]:
     try:
-        queue, key = _scope_path_parts(scope)
+        queue, key = _path_parts(scope)
     except UnicodeDecodeError:
         raise bad_request("the path is not valid percent-encoded UTF-8") from None
     if not queue:
