@@ -185,7 +185,8 @@ def run_side(url: str, broker: Broker, admin, side: str, ops: list[list[dict]], 
             # uvloop and orjson: the client costs little beside the SQL side's (psycopg's rows)
             secs, codes, ok = uvloop.run(_http_side(floor if side == "floor" else broker, bodies, clients))
         finally:
-            broker.proc.send_signal(signal.SIGCONT)
+            if side == "floor":
+                broker.proc.send_signal(signal.SIGCONT)
         out["codes"] = codes
         out["scheduled"] = ok
     else:
@@ -300,10 +301,8 @@ def _bench_schedule(url: str, broker: Broker, res, n_batches: int, clients: int,
                 for side in order:
                     out = run_side(url, broker, admin, side, ops, clients, floor)
                     runs[side].append(out)
-                    extra = {"sql": lambda o: f"{o['verdicts']} verdicts",
-                             "bare": lambda o: "",
-                             "http": lambda o: f"{o['scheduled']} scheduled, status {o['codes']}",
-                             "floor": lambda o: f"{o['scheduled']} scheduled, status {o['codes']}"}[side](out)
+                    extra = ("" if side == "bare" else f"{out['verdicts']} verdicts" if side == "sql"
+                             else f"{out['scheduled']} scheduled, status {out['codes']}")  # http, floor
                     log(f"  round {r + 1} {side:4s}: {out['per_s']:8.0f} ops/s ({out['secs']:.2f} s; "
                         f"{out['rows']} rows, counter {out['counter']}{'; ' + extra if extra else ''})")
                     if out["rows"] != total or (side != "bare" and out["counter"] != total):
