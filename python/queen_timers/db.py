@@ -437,6 +437,73 @@ def read_only_server(conn: psycopg.AsyncConnection | psycopg.Connection) -> bool
             or pg.parameter_status(b"default_transaction_read_only") == b"on")
 
 
+class Lease:
+    """BrokerPool.connection's context: its share of the pool for the tenant, then a
+    connection (the idle lane, else getconn), given back on the way out; a statement
+    that failed on what turned out to be a standby raises ReadOnlyServer. A class, not
+    an asynccontextmanager: its generator and wrappers cost 2 us a request."""
+
+    __slots__ = ("pool", "timeout", "tenant", "conn", "bound")
+
+    def __init__(self, pool: BrokerPool, timeout: float | None, tenant: str | None):
+        self.pool, self.timeout, self.tenant = pool, timeout, tenant
+        self.conn: AsyncConnection | None = None
+        self.bound = None  # bounded()'s context behind a transaction pooler
+
+    async def __aenter__(self) -> AsyncConnection:
+        pool, tenant = self.pool, self.tenant
+        deadline = monotonic() + (pool.timeout if self.timeout is None else self.timeout)
+        if tenant is not None:
+            await pool._take_share(tenant, deadline)
+        try:
+            conn = pool._take_idle()
+            if conn is None:
+                conn = await pool.getconn(max(deadline - monotonic(), 0.0))
+        except BaseException:
+            if tenant is not None:
+                pool._give_share(tenant)
+            raise
+        self.conn = conn
+        if pool.pooled:
+            bound = bounded(conn, pool.settings)
+            try:
+                await bound.__aenter__()
+            except BaseException as exc:
+                await self._end(exc)
+                raise
+            self.bound = bound
+        return conn
+
+    async def __aexit__(self, typ, exc, tb) -> None:
+        bound, self.bound = self.bound, None
+        if bound is not None:
+            try:
+                await bound.__aexit__(typ, exc, tb)  # commits, or rolls back on exc
+            except BaseException as error:  # its end failed: that error is the request's
+                await self._end(error)
+                raise
+        await self._end(exc)
+
+    async def _end(self, exc: BaseException | None) -> None:
+        """Give the connection and the tenant's share back; raises ReadOnlyServer when
+        the statement's error `exc` came from a standby."""
+        pool, conn = self.pool, self.conn
+        try:
+            if isinstance(exc, psycopg.Error) and pool.writable and await pool._on_standby(conn, exc):
+                raise ReadOnlyServer("the database is read-only right now (a standby, or a primary "
+                                     "being switched over)") from exc
+        finally:
+            try:
+                if id(conn) in pool._discard:
+                    pool._discard.discard(id(conn))
+                    await conn.close()  # the pool drops a closed connection and opens another
+                if not pool._give_idle(conn):
+                    await pool.putconn(conn)
+            finally:
+                if self.tenant is not None:
+                    pool._give_share(self.tenant)
+
+
 def _check_alive(conn: AsyncConnection) -> None:
     """Read what the server sent while the connection sat idle, without blocking
     (libpq's socket is non-blocking) and without a round trip: a closed peer shows up
@@ -556,41 +623,14 @@ class BrokerPool(AsyncConnectionPool):
         self._by_tenant: dict[str, int] = {}
         self._tenant_waiters: dict[str, collections.deque] = {}
 
-    @contextlib.asynccontextmanager
-    async def connection(self, timeout: float | None = None, tenant: str | None = None):
-        """A connection for one request's work: in a transaction with the statement
-        timeout behind a transaction pooler (see bounded); closed instead of kept when
-        the work asked for it (discard). The connections are autocommit: there is no
-        transaction of psycopg's to end (its connection() would commit one anyway).
-        `tenant`: the request's, which holds or queues for at most tenant_share of them."""
-        deadline = monotonic() + (self.timeout if timeout is None else timeout)
-        if tenant is not None:
-            await self._take_share(tenant, deadline)
-        try:
-            conn = self._take_idle()
-            if conn is None:
-                conn = await self.getconn(max(deadline - monotonic(), 0.0))
-            try:
-                try:
-                    if self.pooled:
-                        async with bounded(conn, self.settings):
-                            yield conn
-                    else:
-                        yield conn
-                except psycopg.Error as exc:
-                    if self.writable and await self._on_standby(conn, exc):
-                        raise ReadOnlyServer("the database is read-only right now (a standby, or a primary "
-                                             "being switched over)") from exc
-                    raise
-            finally:
-                if id(conn) in self._discard:
-                    self._discard.discard(id(conn))
-                    await conn.close()  # the pool drops a closed connection and opens another
-                if not self._give_idle(conn):
-                    await self.putconn(conn)
-        finally:
-            if tenant is not None:
-                self._give_share(tenant)
+    def connection(self, timeout: float | None = None, tenant: str | None = None) -> "Lease":
+        """A connection for one request's work (`async with pool.connection() as conn`): in a
+        transaction with the statement timeout behind a transaction pooler (see bounded);
+        closed instead of kept when the work asked for it (discard). The connections are
+        autocommit: there is no transaction of psycopg's to end (its connection() would
+        commit one anyway). `tenant`: the request's, which holds or queues for at most
+        tenant_share of them."""
+        return Lease(self, timeout, tenant)
 
     # The lane of the common case, a connection idle and nobody queued: what getconn and
     # putconn decide then, without their path through psycopg_pool (its lock, logging,

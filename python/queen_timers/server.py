@@ -210,6 +210,7 @@ class JsonErrorHttpToolsProtocol(HttpToolsProtocol):
     _head_open = False  # a request has begun and its headers are not complete
     _raw_head = 0       # bytes received while a head stayed open
     _head_timer: asyncio.TimerHandle | None = None
+    _head_since = 0.0   # when the open head (or the connection, before its first) began
     _send_watch: asyncio.TimerHandle | None = None
     _send_left = 0       # bytes the client had not taken at the last look (_unsent)
     _send_progress = 0.0  # when the client last took some of them
@@ -231,6 +232,7 @@ class JsonErrorHttpToolsProtocol(HttpToolsProtocol):
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
+        self._head_since = self.loop.time()
         self._start_head_timer()  # a connection that never sends a head is closed too
         self._idle[self] = None
         if self.max_requests is not None and len(self.connections) > self.max_requests:
@@ -346,9 +348,15 @@ class JsonErrorHttpToolsProtocol(HttpToolsProtocol):
             self._idle.pop(self, None)
             self._idle[self] = None  # the most recently idle goes last
 
-    def _start_head_timer(self) -> None:
+    # The head's timer is armed lazily: a head that completes leaves it armed, and when
+    # it fires with a later head open it is armed again for that head's time left. A
+    # busy keep-alive connection pays one call_later per head_timeout_s, not a
+    # call_later and a cancel per request.
+
+    def _start_head_timer(self, delay: float | None = None) -> None:
         if self._head_timer is None:
-            self._head_timer = self.loop.call_later(self.head_timeout_s, self._head_timed_out)
+            self._head_timer = self.loop.call_later(self.head_timeout_s if delay is None else delay,
+                                                    self._head_timed_out)
 
     def _stop_head_timer(self) -> None:
         if self._head_timer is not None:
@@ -358,19 +366,23 @@ class JsonErrorHttpToolsProtocol(HttpToolsProtocol):
     def _head_timed_out(self) -> None:
         self._head_timer = None
         if self.transport.is_closing() or (self.cycle is not None and not self._head_open):
-            return  # a request is being served: its own bounds apply
+            return  # no head open (a request is being served, or the connection waits for its next)
+        left = self._head_since + self.head_timeout_s - self.loop.time()
+        if left > 0:  # this head began after the timer was armed
+            self._start_head_timer(left)
+            return
         self._send_json(408, HEAD_TIMEOUT_BODY)
 
     def on_message_begin(self) -> None:
         self._head_bytes = 0
         self._head_open = True
         self._raw_head = 0
+        self._head_since = self.loop.time()
         self._start_head_timer()
         super().on_message_begin()
 
     def on_headers_complete(self) -> None:
-        self._head_open = False
-        self._stop_head_timer()
+        self._head_open = False  # the head's timer lapses when it finds no head open
         self._idle.pop(self, None)  # serving a request: never reclaimed
         self.scope[PROTOCOL_KEY] = self  # bodies.release_body parks the request's release here
         if self._direct():

@@ -397,6 +397,30 @@ def test_a_request_head_that_never_completes_is_408_and_closed(spawn_broker, db)
         assert_still_healthy(c, db)
 
 
+def test_a_later_head_on_a_kept_alive_connection_gets_its_own_whole_timeout(spawn_broker, db):
+    # the head's timer is armed lazily (server.py): armed by the first request's head, it
+    # fires while the second head trickles in, and must count from that head's own start
+    b = spawn_broker(QUEEN_HEAD_TIMEOUT_MS="1000")
+    sock = socket.create_connection(("127.0.0.1", b.port), timeout=10)
+    try:
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert read_response(sock, timeout=5)[0] == 200
+        time.sleep(0.6)  # idle, kept alive: no head open when the first timer fires at 1 s
+        start = time.monotonic()
+        sock.sendall(b"GET /health HTTP/1.1\r\n")
+        time.sleep(0.7)  # the first head's timer has fired by now; this head is 0.7 s old
+        sock.sendall(b"Host: x\r\n\r\n")
+        status, _, body = read_response(sock, timeout=5)
+        assert status == 200, body  # served: 0.7 s is within this head's own 1 s
+        start = time.monotonic()
+        sock.sendall(b"GET /health HTTP/1.1\r\n")  # a third head that never completes
+        status, headers, body = read_response(sock, timeout=5)
+        assert status == 408 and json.loads(body)["error"] == "request_timeout"
+        assert 0.9 < time.monotonic() - start < 3
+    finally:
+        sock.close()
+
+
 # ---------------------------------------------------------------------------
 # a pop's answer: bounded by bytes, weighed while it is built
 # ---------------------------------------------------------------------------
