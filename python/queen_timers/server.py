@@ -211,6 +211,8 @@ class JsonErrorHttpToolsProtocol(HttpToolsProtocol):
     _raw_head = 0       # bytes received while a head stayed open
     _head_timer: asyncio.TimerHandle | None = None
     _head_since = 0.0   # when the open head (or the connection, before its first) began
+    _keep_timer: asyncio.TimerHandle | None = None
+    _kept_since: float | None = None  # when the connection went idle after an answer (None: it is not)
     _send_watch: asyncio.TimerHandle | None = None
     _send_left = 0       # bytes the client had not taken at the last look (_unsent)
     _send_progress = 0.0  # when the client last took some of them
@@ -240,6 +242,9 @@ class JsonErrorHttpToolsProtocol(HttpToolsProtocol):
 
     def connection_lost(self, exc) -> None:
         self._stop_head_timer()
+        if self._keep_timer is not None:
+            self._keep_timer.cancel()
+            self._keep_timer = None
         self._stop_send_watch()
         self._idle.pop(self, None)
         super().connection_lost(exc)
@@ -343,10 +348,28 @@ class JsonErrorHttpToolsProtocol(HttpToolsProtocol):
         return sum(1 for task in self.tasks if not task.done()) >= self.max_requests
 
     def on_response_complete(self) -> None:
-        super().on_response_complete()
-        if self.timeout_keep_alive_task is not None:  # idle, waiting for the next request
-            self._idle.pop(self, None)
-            self._idle[self] = None  # the most recently idle goes last
+        if self.pipeline or self.transport.is_closing():
+            super().on_response_complete()  # uvicorn's: the next pipelined request, or nothing
+            return
+        # uvicorn's, with its keep-alive timer armed lazily as the head's is (_keep_alive_lapsed)
+        self.server_state.total_requests += 1
+        self._unset_keepalive_if_required()
+        self.flow.resume_reading()
+        self._kept_since = self.loop.time()
+        if self._keep_timer is None:
+            self._keep_timer = self.loop.call_later(self.timeout_keep_alive, self._keep_alive_lapsed)
+        self._idle.pop(self, None)  # idle, waiting for the next request:
+        self._idle[self] = None  # the most recently idle goes last
+
+    def _keep_alive_lapsed(self) -> None:
+        self._keep_timer = None
+        if self._kept_since is None:
+            return  # a request came: its answer arms the timer again
+        left = self._kept_since + self.timeout_keep_alive - self.loop.time()
+        if left > 0:  # idle again since a later answer
+            self._keep_timer = self.loop.call_later(left, self._keep_alive_lapsed)
+            return
+        self.timeout_keep_alive_handler()
 
     # The head's timer is armed lazily: a head that completes leaves it armed, and when
     # it fires with a later head open it is armed again for that head's time left. A
@@ -473,6 +496,7 @@ class JsonErrorHttpToolsProtocol(HttpToolsProtocol):
         # httptools buffers a header's name or value until it ends, so on_header
         # alone would let a header that never ends grow without bound: count the
         # bytes of every chunk after which the head is still open.
+        self._kept_since = None  # not idle: the keep-alive timer lapses (uvicorn cancels its own here)
         super().data_received(data)
         if self._head_open and not self.transport.is_closing():
             self._raw_head += len(data)

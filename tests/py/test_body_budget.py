@@ -421,6 +421,41 @@ def test_a_later_head_on_a_kept_alive_connection_gets_its_own_whole_timeout(spaw
         sock.close()
 
 
+def test_an_idle_kept_alive_connection_is_closed_its_whole_keep_alive_after_its_last_answer(spawn_broker, db):
+    # uvicorn's keep-alive timeout (5 s), armed lazily (server.py): the timer the first
+    # answer armed fires while the connection has been idle only since a later one
+    b = spawn_broker()
+    sock = socket.create_connection(("127.0.0.1", b.port), timeout=15)
+    try:
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert read_response(sock, timeout=5)[0] == 200
+        time.sleep(2.5)
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert read_response(sock, timeout=5)[0] == 200
+        last = time.monotonic()
+        sock.settimeout(15)
+        assert sock.recv(1) == b""  # closed by the broker, without a word
+        assert 4.5 < time.monotonic() - last < 7
+    finally:
+        sock.close()
+    # a request served longer than the keep-alive (a long poll) is not cut by the timer an
+    # earlier answer armed: the connection goes on
+    with b.client() as c:
+        assert c.post("/api/v1/configure", json={"queue": "quiet", "options": {}}).status_code == 200
+    sock = socket.create_connection(("127.0.0.1", b.port), timeout=15)
+    try:
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert read_response(sock, timeout=5)[0] == 200
+        start = time.monotonic()
+        sock.sendall(b"GET /api/v1/pop/queue/quiet?wait=true&timeout=6500 HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert read_response(sock, timeout=15)[0] == 204
+        assert time.monotonic() - start > 6
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert read_response(sock, timeout=5)[0] == 200
+    finally:
+        sock.close()
+
+
 # ---------------------------------------------------------------------------
 # a pop's answer: bounded by bytes, weighed while it is built
 # ---------------------------------------------------------------------------
