@@ -30,7 +30,8 @@ import ctypes.util
 import math
 import re
 from collections import deque
-from itertools import accumulate, islice
+from heapq import heappop, heappush
+from itertools import accumulate
 from typing import Callable
 
 import orjson
@@ -110,11 +111,12 @@ def count_down(counts: dict[str, int], key: str, n: int) -> None:
 
 
 class _Waiter:
-    __slots__ = ("scope", "tenant", "n", "future", "admitted")
+    __slots__ = ("scope", "tenant", "n", "future", "admitted", "queued", "seq")
 
-    def __init__(self, scope: dict, tenant: str, n: int, future: asyncio.Future):
-        self.scope, self.tenant, self.n, self.future = scope, tenant, n, future
+    def __init__(self, scope: dict, tenant: str, n: int, future: asyncio.Future, seq: int):
+        self.scope, self.tenant, self.n, self.future, self.seq = scope, tenant, n, future, seq
         self.admitted = False
+        self.queued = True  # in its tenant's line
 
 
 class BodyBudget:
@@ -126,7 +128,14 @@ class BodyBudget:
     out. A request that waits for its own tenant's half reserves nothing of the
     broker's room: it holds up its own tenant's later requests, never another's.
     A later step of a chunked body that already holds weight goes first (it must
-    finish to give its weight back)."""
+    finish to give its weight back).
+
+    The line is kept per tenant: a heap of the tenants' first waiters in arrival
+    order, and aside the tenants whose first waiter does not fit their own half,
+    until that half frees up or that waiter leaves. Admitting costs what it
+    admits, however many requests a tenant has waiting on its own half (a walk
+    of the whole line on every release made each of another tenant's requests
+    pay for them)."""
 
     def __init__(self, total: int, wait_ms: int, on_refuse: Callable[[], None] | None = None):
         self.total = total
@@ -135,12 +144,24 @@ class BodyBudget:
         self.wait_s = wait_ms / 1000
         self.used = 0
         self.by_tenant: dict[str, int] = {}
-        self._queue: deque[_Waiter] = deque()
+        self._lines: dict[str, deque[_Waiter]] = {}  # each tenant's waiters, in arrival order
+        self._heads: list[tuple[int, str]] = []  # heap: (a line's first waiter's seq, its tenant)
+        self._held_up: set[str] = set()  # tenants whose first waiter waits for their own half
+        self._seq = 0  # arrival order; a chunked body's later step takes one below every other
+        self._first = 0
+        self._waiting = 0
 
     def _hold(self, scope: dict, tenant: str, n: int) -> None:
         self.used += n
         self.by_tenant[tenant] = self.by_tenant.get(tenant, 0) + n
         scope.setdefault(HELD_KEY, []).append((tenant, n))
+
+    def _unhold(self, tenant: str, n: int) -> None:
+        self.used -= n
+        count_down(self.by_tenant, tenant, n)
+        if tenant in self._held_up:  # its half has room again: its first waiter is looked at anew
+            self._held_up.discard(tenant)
+            heappush(self._heads, (self._lines[tenant][0].seq, tenant))
 
     async def take(self, scope: dict, tenant: str, n: int, deadline: float | None = None) -> float:
         """Hold `n` for `tenant` until the request ends; returns the wait's deadline
@@ -150,15 +171,24 @@ class BodyBudget:
             deadline = loop.time() + self.wait_s
         if n > self.per_tenant:  # cannot happen for a legal request (config checks it)
             raise busy(f"the body weighs {n} bytes, over a tenant's share of the budget")
-        if n <= 0 or (not self._queue and self.used + n <= self.total
+        if n <= 0 or (not self._waiting and self.used + n <= self.total
                       and self.by_tenant.get(tenant, 0) + n <= self.per_tenant):
             self._hold(scope, tenant, n)  # nobody waits and it fits: the common case
             return deadline
-        waiter = _Waiter(scope, tenant, n, loop.create_future())
+        line = self._lines.get(tenant)
+        if line is None:
+            line = self._lines[tenant] = deque()
         if scope.get(HELD_KEY):
-            self._queue.appendleft(waiter)
+            self._first -= 1
+            waiter = _Waiter(scope, tenant, n, loop.create_future(), self._first)
+            line.appendleft(waiter)
         else:
-            self._queue.append(waiter)
+            self._seq += 1
+            waiter = _Waiter(scope, tenant, n, loop.create_future(), self._seq)
+            line.append(waiter)
+        self._waiting += 1
+        if line[0] is waiter:
+            self._new_first(tenant, line)
         self._admit()
         if not waiter.admitted:
             timer = loop.call_at(deadline, self._expire, waiter)
@@ -175,6 +205,10 @@ class BodyBudget:
             raise busy("the broker's budget for request bodies in flight is in use")
         return deadline
 
+    def _new_first(self, tenant: str, line: deque[_Waiter]) -> None:
+        self._held_up.discard(tenant)
+        heappush(self._heads, (line[0].seq, tenant))
+
     def _expire(self, waiter: _Waiter) -> None:
         if not waiter.future.done():
             self._leave(waiter)
@@ -182,40 +216,56 @@ class BodyBudget:
 
     def _leave(self, waiter: _Waiter) -> None:
         """A waiter that gives up: what it reserved is free for the ones behind it."""
-        if not waiter.admitted and waiter in self._queue:
-            self._queue.remove(waiter)
-            self._admit()
+        if waiter.admitted or not waiter.queued:
+            return
+        self._dequeue(waiter)
+        self._admit()
+
+    def _dequeue(self, waiter: _Waiter) -> None:
+        tenant = waiter.tenant
+        line = self._lines[tenant]
+        first = line[0] is waiter
+        if first:
+            line.popleft()
+        else:
+            line.remove(waiter)  # its own tenant's line
+        waiter.queued = False
+        self._waiting -= 1
+        if not line:
+            del self._lines[tenant]
+            self._held_up.discard(tenant)
+        elif first:
+            self._new_first(tenant, line)
+        if not self._waiting:
+            self._heads.clear()  # what is left there is stale
 
     def _admit(self) -> None:
-        """Admit the waiters that fit, in order: each one, admitted or not, takes its
-        weight off the room left for those behind it (the broker's room unless it is
-        its own tenant's half that holds it up; its tenant's room always)."""
+        """Admit the waiters that fit, in arrival order: each one, admitted or not, takes
+        its weight off the room left for those behind it (the broker's room unless it is
+        its own tenant's half that holds it up, and then it holds up only its tenant's)."""
         room = self.total - self.used
-        tenant_room: dict[str, int] = {}
-        kept: deque[_Waiter] = deque()
-        for i, w in enumerate(self._queue):
-            if room <= 0:  # reserved to the last byte: nobody behind can be admitted
-                kept.extend(islice(self._queue, i, None))
-                break
-            if w.future.done():  # cancelled (its client gone): it leaves in a moment, reserving nothing
-                kept.append(w)
+        heads, lines = self._heads, self._lines
+        while heads and room > 0:
+            seq, tenant = heads[0]
+            line = lines.get(tenant)
+            if line is None or line[0].seq != seq or tenant in self._held_up:
+                heappop(heads)  # stale: that waiter has gone, or its tenant is set aside
                 continue
-            mine = tenant_room.get(w.tenant)
-            if mine is None:
-                mine = self.per_tenant - self.by_tenant.get(w.tenant, 0)
-            tenant_room[w.tenant] = mine - w.n
-            if w.n > mine:
-                kept.append(w)
+            w = line[0]
+            if w.future.done():  # cancelled (its client gone): leaves the line, reserving nothing
+                self._dequeue(w)
+                continue
+            if w.n > self.per_tenant - self.by_tenant.get(tenant, 0):
+                heappop(heads)  # its own tenant's half holds it up, and its tenant's later ones
+                self._held_up.add(tenant)
                 continue
             if w.n > room:
-                room -= w.n
-                kept.append(w)
-                continue
+                return  # it reserves the room it waits for: nobody behind it is admitted
             room -= w.n
-            self._hold(w.scope, w.tenant, w.n)
+            self._dequeue(w)
+            self._hold(w.scope, tenant, w.n)
             w.admitted = True
             w.future.set_result(None)
-        self._queue = kept
 
     def resize_last(self, scope: dict, n: int) -> None:
         """Shrink (or drop, n=0) what this request took last: a pop holds its estimate
@@ -223,12 +273,11 @@ class BodyBudget:
         held = scope.get(HELD_KEY)
         tenant, had = held[-1]
         n = min(n, had)
-        self.used -= had - n
-        count_down(self.by_tenant, tenant, had - n)
         if n:
             held[-1] = (tenant, n)
         else:
             held.pop()
+        self._unhold(tenant, had - n)
         self._admit()
 
     def release(self, scope: dict) -> int:
@@ -238,15 +287,14 @@ class BodyBudget:
             return 0
         freed = 0
         for tenant, n in held:
-            self.used -= n
-            count_down(self.by_tenant, tenant, n)
+            self._unhold(tenant, n)
             freed += n
         self._admit()
         return freed
 
     @property
     def waiting(self) -> int:
-        return len(self._queue)
+        return self._waiting
 
 
 class RequestSlots:

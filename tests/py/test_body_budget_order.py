@@ -10,6 +10,7 @@ test_body_budget.py): no database needed.
 from __future__ import annotations
 
 import asyncio
+import random
 
 import pytest
 
@@ -262,3 +263,121 @@ def test_one_tenant_alone_is_held_only_by_its_own_share():
     for scope in scopes:
         slots.release(scope)
     assert slots.by_tenant == {"acme": 500} and slots.in_use == 500
+
+
+# ---------------------------------------------------------------------------
+# the line kept per tenant against the line walked whole (the model)
+# ---------------------------------------------------------------------------
+
+class WalkedLine:
+    """The budget's rule as one line walked whole on every change: what BodyBudget
+    did before it kept a line per tenant, the specification its lines must match."""
+
+    def __init__(self, total: int):
+        self.total, self.per_tenant = total, total // 2
+        self.used, self.by_tenant, self.line, self.held = 0, {}, [], {}
+
+    def _hold(self, name, tenant, n):
+        self.used += n
+        self.by_tenant[tenant] = self.by_tenant.get(tenant, 0) + n
+        self.held.setdefault(name, []).append((tenant, n))
+
+    def take(self, name, tenant, n):
+        if not self.line and self.used + n <= self.total and self.by_tenant.get(tenant, 0) + n <= self.per_tenant:
+            self._hold(name, tenant, n)
+        elif self.held.get(name):
+            self.line.insert(0, (name, tenant, n))  # a later step of a chunked body goes first
+            self.admit()
+        else:
+            self.line.append((name, tenant, n))
+            self.admit()
+
+    def leave(self, name):
+        self.line = [w for w in self.line if w[0] != name]
+        self.admit()
+
+    def give_back(self, tenant, n):
+        self.used -= n
+        self.by_tenant[tenant] -= n
+        if not self.by_tenant[tenant]:
+            del self.by_tenant[tenant]
+
+    def release(self, name):
+        for tenant, n in self.held.pop(name, []):
+            self.give_back(tenant, n)
+        self.admit()
+
+    def resize_last(self, name, n):
+        tenant, had = self.held[name][-1]
+        n = min(n, had)
+        if n:
+            self.held[name][-1] = (tenant, n)
+        else:
+            self.held[name].pop()
+        self.give_back(tenant, had - n)
+        self.admit()
+
+    def admit(self):
+        room, tenant_room, kept = self.total - self.used, {}, []
+        for i, (name, tenant, n) in enumerate(self.line):
+            if room <= 0:
+                kept += self.line[i:]
+                break
+            mine = tenant_room.get(tenant, self.per_tenant - self.by_tenant.get(tenant, 0))
+            tenant_room[tenant] = mine - n
+            if n > mine or n > room:
+                if n <= mine:
+                    room -= n
+                kept.append((name, tenant, n))
+                continue
+            room -= n
+            self._hold(name, tenant, n)
+        self.line = kept
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_the_lines_per_tenant_admit_what_the_whole_line_walked_admits(seed):
+    rng = random.Random(seed)
+    tenants = [f"t{i}" for i in range(rng.choice((1, 2, 3, 6)))]
+
+    async def main():
+        budget, model = BodyBudget(TOTAL, wait_ms=60_000), WalkedLine(TOTAL)
+        r = Requests(budget)
+        for step in range(300):
+            waiting = [name for name, task in r.tasks.items() if not task.done()]
+            holding = [name for name in model.held if model.held[name]]
+            op = rng.random()
+            if op < 0.45 or not (waiting or holding):
+                name = f"r{step}"
+                if holding and rng.random() < 0.15:  # a chunked body's next step
+                    name = rng.choice(holding)
+                    if name in waiting:
+                        continue
+                tenant = model.held[name][0][0] if name in model.held and model.held[name] else rng.choice(tenants)
+                n = rng.choice((1, 2, 5, 10, 20, 30, 45, 50))
+                r.take(name, tenant, n)
+                model.take(name, tenant, n)
+            elif op < 0.6 and waiting:
+                name = rng.choice(waiting)
+                r.tasks[name].cancel()
+                model.leave(name)
+            elif op < 0.7 and holding:
+                name = rng.choice(holding)
+                n = rng.choice((0, 1, 5))
+                budget.resize_last(r.scopes[name], n)
+                model.resize_last(name, n)
+            elif holding:
+                name = rng.choice(holding)
+                r.release(name)
+                model.release(name)
+            await settle()
+            assert budget.used == model.used and budget.by_tenant == model.by_tenant, step
+            assert budget.waiting == len(model.line), step
+            held = {name: scope.get(HELD_KEY) for name, scope in r.scopes.items() if scope.get(HELD_KEY)}
+            assert held == {name: h for name, h in model.held.items() if h}, step
+            consistent(budget)
+        for task in r.tasks.values():
+            task.cancel()
+        await asyncio.gather(*r.tasks.values(), return_exceptions=True)
+        assert budget.waiting == 0
+    run(main())
