@@ -30,7 +30,7 @@ import ctypes.util
 import math
 import re
 from collections import deque
-from heapq import heappop, heappush
+from heapq import heapify, heappop, heappush
 from itertools import accumulate
 from typing import Callable
 
@@ -160,8 +160,7 @@ class BodyBudget:
         self.used -= n
         count_down(self.by_tenant, tenant, n)
         if tenant in self._held_up:  # its half has room again: its first waiter is looked at anew
-            self._held_up.discard(tenant)
-            heappush(self._heads, (self._lines[tenant][0].seq, tenant))
+            self._new_first(tenant, self._lines[tenant])
 
     async def take(self, scope: dict, tenant: str, n: int, deadline: float | None = None) -> float:
         """Hold `n` for `tenant` until the request ends; returns the wait's deadline
@@ -207,7 +206,13 @@ class BodyBudget:
 
     def _new_first(self, tenant: str, line: deque[_Waiter]) -> None:
         self._held_up.discard(tenant)
-        heappush(self._heads, (line[0].seq, tenant))
+        heads = self._heads
+        heappush(heads, (line[0].seq, tenant))
+        if len(heads) > 2 * len(self._lines) + 64:
+            # entries of firsts that left while the budget was full (_admit pops them only
+            # when there is room): rebuilt in place, so the heap stays bounded by the lines
+            heads[:] = [(waiting[0].seq, t) for t, waiting in self._lines.items() if t not in self._held_up]
+            heapify(heads)
 
     def _expire(self, waiter: _Waiter) -> None:
         if not waiter.future.done():

@@ -381,3 +381,26 @@ def test_the_lines_per_tenant_admit_what_the_whole_line_walked_admits(seed):
         await asyncio.gather(*r.tasks.values(), return_exceptions=True)
         assert budget.waiting == 0
     run(main())
+
+
+def test_the_heap_of_first_waiters_stays_bounded_while_the_budget_is_full():
+    # firsts that leave while nothing fits leave stale entries that _admit never reaches:
+    # a tenant retrying for an hour against a full budget must not grow the broker's memory
+    async def main():
+        budget = BodyBudget(TOTAL, wait_ms=60_000)
+        r = Requests(budget)
+        await r.take("a", "acme", 50)
+        await r.take("b", "globex", 50)  # full
+        r.take("big", "initech", 40)  # waits, reserving the room: nothing behind it fits
+        for i in range(2000):
+            r.take(f"w{i}", "umbrella", 10)  # a client that gives up and comes back
+            await settle()
+            r.tasks[f"w{i}"].cancel()
+            await settle()
+        assert budget.waiting == 1
+        assert len(budget._heads) <= 2 * len(budget._lines) + 65, len(budget._heads)
+        r.release("a")  # the line still moves
+        await settle()
+        assert r.admitted("big")
+        consistent(budget)
+    run(main())
