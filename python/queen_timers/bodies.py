@@ -147,8 +147,8 @@ class BodyBudget:
         self._lines: dict[str, deque[_Waiter]] = {}  # each tenant's waiters, in arrival order
         self._heads: list[tuple[int, str]] = []  # heap: (a line's first waiter's seq, its tenant)
         self._held_up: set[str] = set()  # tenants whose first waiter waits for their own half
-        self._seq = 0  # arrival order; a chunked body's later step takes one below every other
-        self._first = 0
+        self._seq = 0  # arrival order
+        self._front_seq = 0  # a chunked body's later step: a seq below every other, to go first
         self._waiting = 0
 
     def _hold(self, scope: dict, tenant: str, n: int) -> None:
@@ -178,8 +178,8 @@ class BodyBudget:
         if line is None:
             line = self._lines[tenant] = deque()
         if scope.get(HELD_KEY):
-            self._first -= 1
-            waiter = _Waiter(scope, tenant, n, loop.create_future(), self._first)
+            self._front_seq -= 1
+            waiter = _Waiter(scope, tenant, n, loop.create_future(), self._front_seq)
             line.appendleft(waiter)
         else:
             self._seq += 1

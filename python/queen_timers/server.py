@@ -351,9 +351,9 @@ class JsonErrorHttpToolsProtocol(HttpToolsProtocol):
         if self.pipeline or self.transport.is_closing():
             super().on_response_complete()  # uvicorn's: the next pipelined request, or nothing
             return
-        # uvicorn's, with its keep-alive timer armed lazily as the head's is (_keep_alive_lapsed)
+        # uvicorn's, with its keep-alive timer armed lazily as the head's is (_keep_alive_lapsed);
+        # uvicorn's own (timeout_keep_alive_task) is never armed: only its path above arms it
         self.server_state.total_requests += 1
-        self._unset_keepalive_if_required()
         self.flow.resume_reading()
         self._kept_since = self.loop.time()
         if self._keep_timer is None:
@@ -496,7 +496,7 @@ class JsonErrorHttpToolsProtocol(HttpToolsProtocol):
         # httptools buffers a header's name or value until it ends, so on_header
         # alone would let a header that never ends grow without bound: count the
         # bytes of every chunk after which the head is still open.
-        self._kept_since = None  # not idle: the keep-alive timer lapses (uvicorn cancels its own here)
+        self._kept_since = None  # not idle: the keep-alive timer lapses when it fires
         super().data_received(data)
         if self._head_open and not self.transport.is_closing():
             self._raw_head += len(data)
