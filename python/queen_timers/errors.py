@@ -60,6 +60,16 @@ def bad_request(detail: str) -> ApiError:
     return ApiError(400, "timers_bad_request", detail)
 
 
+def query_param(params, name: str) -> str | None:
+    """The one value of query parameter `name` (Starlette's QueryParams), or None.
+    Given more than once it is a 400: servers disagree on which copy wins (Starlette
+    keeps the last), so the broker does not guess what the client meant."""
+    values = params.getlist(name)
+    if len(values) > 1:
+        raise bad_request(f"query parameter {name} is given {len(values)} times; give it once")
+    return values[0] if values else None
+
+
 def text_problem(value: str) -> str | None:
     """Why PostgreSQL's text cannot hold this string (NUL, or a lone surrogate
     that is not UTF-8), or None when it can."""

@@ -28,7 +28,7 @@ from starlette.routing import Route
 from . import convertors, db, payloads  # noqa: F401 (convertors: registers {x:anypath})
 from .auth import READ_ONLY, READ_WRITE
 from .bodies import PAYLOAD_CEILING_BYTES, TENANT_KEY, read_json, weigh_answer, weigh_fetched
-from .errors import ApiError, bad_request, check_json_unicode, check_text, from_exception
+from .errors import ApiError, bad_request, check_json_unicode, check_text, from_exception, query_param
 from .limits import check_name
 
 QUEUE_MODE = "__QUEUE_MODE__"
@@ -128,7 +128,7 @@ def _read_payload(settings, raw: bytes, is_encrypted: bool) -> bytes:
 
 
 def _int_param(request: Request, name: str, default: int, minimum: int, maximum: int) -> int:
-    raw = request.query_params.get(name)
+    raw = query_param(request.query_params, name)
     if raw is None or raw == "":
         return default
     try:
@@ -139,7 +139,7 @@ def _int_param(request: Request, name: str, default: int, minimum: int, maximum:
 
 
 def _bool_param(request: Request, name: str, default: bool = False) -> bool:
-    raw = request.query_params.get(name)
+    raw = query_param(request.query_params, name)
     if raw is None or raw == "":
         return default
     return raw.strip().lower() in ("true", "1", "yes")
@@ -297,7 +297,7 @@ async def pop(request: Request) -> Response:
     batch = _int_param(request, "batch", 1, 1, MAX_BATCH)
     wait = _bool_param(request, "wait")
     timeout_ms = _int_param(request, "timeout", DEFAULT_POP_TIMEOUT_MS, 0, MAX_POP_TIMEOUT_MS)
-    group = _group(request.query_params.get("consumerGroup")) or QUEUE_MODE
+    group = _group(query_param(request.query_params, "consumerGroup")) or QUEUE_MODE
     auto_ack = _bool_param(request, "autoAck")
 
     deadline = time.monotonic() + timeout_ms / 1000
@@ -465,8 +465,8 @@ def _largest_payload(settings) -> int:
 
 async def list_dlq(request: Request) -> JSONResponse:
     principal = request.app.state.auth.require(request, READ_ONLY)
-    queue = _no_nul("queue", request.query_params.get("queue")) or None
-    group = _group(request.query_params.get("consumerGroup")) or None
+    queue = _no_nul("queue", query_param(request.query_params, "queue")) or None
+    group = _group(query_param(request.query_params, "consumerGroup")) or None
     if queue is not None:
         check_name("queue", queue)
     limit = _int_param(request, "limit", 100, 1, 1000)

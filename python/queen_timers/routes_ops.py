@@ -25,7 +25,7 @@ from starlette.routing import Route
 
 from .auth import ADMIN, READ_ONLY
 from .bodies import TENANT_KEY, read_json
-from .errors import bad_request, from_exception
+from .errors import bad_request, from_exception, query_param
 from .limits import check_name
 from .metrics import CONTENT_TYPE
 
@@ -90,7 +90,7 @@ def _iso(value) -> str | None:
 
 
 def _int_query(request: Request, name: str, default: int) -> int:
-    raw = request.query_params.get(name)
+    raw = query_param(request.query_params, name)
     if raw is None or raw == "":
         return default
     try:
@@ -110,7 +110,7 @@ async def timers_stats(request: Request) -> JSONResponse:
     bucket_seconds = _int_query(request, "bucketSeconds", 60)
     page = stats_page_size(buckets)
     limit = max(1, min(_int_query(request, "limit", page), page))
-    after = request.query_params.get("after") or None
+    after = query_param(request.query_params, "after") or None
     if after is not None:
         check_name("queue", after, "after: ")  # a queue name: its limits
     async with request.app.state.pool.connection(tenant=request.scope.get(TENANT_KEY)) as conn:

@@ -37,7 +37,7 @@ from . import convertors, db, payloads  # noqa: F401 (convertors: registers {x:a
 from .auth import READ_ONLY, READ_WRITE, WRITE_ONLY
 from .bodies import (PAYLOAD_CEILING_BYTES, SMALL_BODY_BYTES, TENANT_KEY, read_json, values_bound, weigh_answer,
                      weigh_fetched)
-from .errors import ApiError, bad_request, from_exception
+from .errors import ApiError, bad_request, from_exception, query_param
 from .limits import MAX_PARTITION_BYTES, MAX_QUEUE_BYTES, MAX_TIMER_KEY_BYTES, MAX_TXN_BYTES, check_name
 from .openapi import openapi_endpoint
 
@@ -770,7 +770,7 @@ async def cancel_answer(app, scope: dict) -> bytes:
     queue, key = _scope_path_or_400(scope)
     if not key:
         raise bad_request("timerKey is required")
-    txn = Request(scope).query_params.get("txn") if scope["query_string"] else None
+    txn = query_param(Request(scope).query_params, "txn") if scope["query_string"] else None
     if txn is not None:
         check_name("txn", txn, "")
 
@@ -821,10 +821,10 @@ async def list_timers(request: Request) -> JSONResponse:
 
 
 async def _list(request: Request, principal, queue: str) -> JSONResponse:
-    after = request.query_params.get("after")
+    after = query_param(request.query_params, "after")
     if after is not None:
         check_name("after", after, "")
-    raw_limit = request.query_params.get("limit")
+    raw_limit = query_param(request.query_params, "limit")
     limit = 100
     if raw_limit is not None and raw_limit != "":
         try:

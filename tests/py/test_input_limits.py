@@ -404,6 +404,33 @@ def test_a_path_or_query_name_over_its_limit_is_400(client, db, method, path, pa
     assert_still_healthy(client, db)
 
 
+@pytest.mark.parametrize("method, path, params", [
+    ("DELETE", "/api/v1/timers/reminders/k", [("txn", "a"), ("txn", "b")]),
+    ("GET", "/api/v1/timers/reminders", [("limit", "1"), ("limit", "2")]),
+    ("GET", "/api/v1/timers/reminders", [("after", ""), ("after", "a")]),
+    # without the rule the last (empty) timeout won: the 30 s default long poll
+    ("GET", "/api/v1/pop/queue/reminders", [("wait", "true"), ("timeout", "x"), ("timeout", "")]),
+    ("GET", "/api/v1/pop/queue/reminders", [("wait", "false"), ("wait", "true")]),
+    ("GET", "/api/v1/pop/queue/reminders/partition/Default", [("batch", "1"), ("batch", "2")]),
+    ("GET", "/api/v1/pop/queue/reminders", [("consumerGroup", "g"), ("consumerGroup", "h")]),
+    ("GET", "/api/v1/pop/queue/reminders", [("autoAck", "true"), ("autoAck", "true")]),
+    ("GET", "/api/v1/dlq", [("queue", "a"), ("queue", "b")]),
+    ("GET", "/api/v1/system/timers/stats", [("buckets", "1"), ("buckets", "1")]),
+])
+def test_a_query_parameter_given_twice_is_a_json_400_at_once(client, db, method, path, params):
+    """Which copy of a repeated parameter wins differs between servers (Starlette keeps
+    the last): the broker refuses to guess, before any SQL, and changes nothing."""
+    post(client, op("schedule", "k"))
+    before = db.execute("SELECT timer_key, message_id FROM queen.timers").fetchall()
+    started = time.monotonic()
+    r = client.request(method, path, params=params, timeout=10)
+    assert time.monotonic() - started < 5
+    body = assert_json_error(r, 400, "timers_bad_request")
+    assert f"query parameter {params[-1][0]} is given 2 times" in body["detail"], body
+    assert db.execute("SELECT timer_key, message_id FROM queen.timers").fetchall() == before
+    assert_still_healthy(client, db)
+
+
 @pytest.mark.parametrize("method", ["GET", "DELETE"])
 def test_a_huge_key_in_the_path_is_a_json_400(client, db, method):
     """Past what the HTTP parser takes in one request head (h11: 16 KiB by

@@ -75,16 +75,32 @@ def _truthy(value) -> bool:
     return str(value).strip().lower() in ("true", "1", "yes")
 
 
+def _one(value):
+    """What the broker reads of a generated query value: a list of one is sent as that
+    value, an empty list not at all (None), a longer one repeated (a 400 at once)."""
+    if not isinstance(value, list):
+        return value
+    if len(value) > 1:
+        raise ValueError("repeated")
+    return value[0] if value else None
+
+
 def _bound_long_poll(case) -> None:
     """GET /api/v1/pop/...?wait=true holds the request up to `timeout` ms (30 s by
     default): keep the generated value when it is short, else cap it."""
     query = case.query
     if not case.path.startswith("/api/v1/pop/") or not isinstance(query, dict):
         return
-    if not _truthy(query.get("wait")):
-        return
     try:
-        timeout = int(str(query.get("timeout", POP_WAIT_CAP_MS + 1)).strip())
+        wait, timeout = _one(query.get("wait")), _one(query.get("timeout"))
+    except ValueError:
+        return  # a repeated parameter: 400 at once
+    if not _truthy(wait):
+        return
+    if timeout is None or str(timeout) == "":
+        timeout = POP_WAIT_CAP_MS + 1  # absent or empty: the 30 s default
+    try:
+        timeout = int(str(timeout))
     except ValueError:
         return  # not an integer: the broker answers 400 at once
     if timeout > POP_WAIT_CAP_MS:
