@@ -82,8 +82,11 @@ class Authenticator:
         return turns.ANONYMOUS if isinstance(found, ApiError) else found.tenant
 
     def _check(self, scope: dict) -> Principal:
-        header = next((value.decode("latin-1") for name, value in scope.get("headers", ())
-                       if name == b"authorization"), "")
+        found = [value for name, value in scope.get("headers", ()) if name == b"authorization"]
+        if len(found) > 1:
+            # a proxy may have checked another copy than the one read here: refuse to guess
+            raise ApiError(401, "unauthorized", f"{len(found)} Authorization headers; send one")
+        header = found[0].decode("latin-1") if found else ""
         if not header.strip():
             raise ApiError(401, "unauthorized", "a Bearer token is required")
         scheme, _, token = header.strip().partition(" ")

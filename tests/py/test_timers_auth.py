@@ -34,6 +34,22 @@ def test_no_or_bad_credential_is_401(jwt_client, db, headers):
     assert rows(db) == []
 
 
+def test_two_authorization_headers_are_401_whichever_is_valid(jwt_client, db):
+    """A proxy in front may have checked another copy than the broker would read:
+    two Authorization headers, both valid, are refused on every route, before anything."""
+    twice = [("Authorization", token("admin", tenant="acme")["Authorization"]),
+             ("Authorization", token("admin", tenant="globex")["Authorization"])]
+    for name, r in {**calls(jwt_client, twice),
+                    "POP": jwt_client.get("/api/v1/pop/queue/reminders", headers=twice),
+                    "PUSH": jwt_client.post("/api/v1/push", headers=twice, json={"items": [
+                        {"queue": "reminders", "payload": {"a": 1}}]})}.items():
+        body = assert_error(r, 401, "unauthorized")
+        assert "2 Authorization headers" in body["detail"], (name, body)
+    assert rows(db) == []
+    assert db.execute("SELECT count(*) AS n FROM queen.messages").fetchone()["n"] == 0
+    assert post(jwt_client, op("schedule", "k"), headers=token("admin")).status_code == 200
+
+
 @pytest.mark.parametrize("role, allowed", [
     ("read-only", {"PEEK", "LIST"}),
     ("write-only", {"POST"}),
