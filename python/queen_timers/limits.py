@@ -16,6 +16,9 @@ MAX_TIMER_KEY_BYTES = 1024
 MAX_TXN_BYTES = 255
 MAX_PARTITION_BYTES = 255
 MAX_LOG_NAME_BYTES = 255  # consumerGroup, namespace, task
+# an integer query parameter is held to a SQL integer's range before it is sent (psycopg
+# sends a larger one as bigint or numeric, which no function signature takes: a 500)
+INT32_MIN, INT32_MAX = -(2 ** 31), 2 ** 31 - 1
 
 LIMITS: dict[str, int] = {
     "queue": MAX_QUEUE_BYTES,

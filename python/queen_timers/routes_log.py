@@ -29,7 +29,7 @@ from . import convertors, db, payloads  # noqa: F401 (convertors: registers {x:a
 from .auth import READ_ONLY, READ_WRITE
 from .bodies import PAYLOAD_CEILING_BYTES, TENANT_KEY, read_json, weigh_answer, weigh_fetched
 from .errors import ApiError, bad_request, check_json_unicode, check_text, from_exception, query_param
-from .limits import check_name
+from .limits import INT32_MAX, check_name
 
 QUEUE_MODE = "__QUEUE_MODE__"
 ACK_STATUSES = ("completed", "success", "failed", "dlq", "retry")
@@ -470,7 +470,7 @@ async def list_dlq(request: Request) -> JSONResponse:
     if queue is not None:
         check_name("queue", queue)
     limit = _int_param(request, "limit", 100, 1, 1000)
-    offset = _int_param(request, "offset", 0, 0, 2**31 - 1)
+    offset = _int_param(request, "offset", 0, 0, INT32_MAX)
     settings = request.app.state.settings
     # `partition`, `from` and `to` are ignored, as Queen's dlq route does. A page holds at
     # most QUEEN_POP_MAX_BYTES of payloads (its first entry always), weighed as a pop's

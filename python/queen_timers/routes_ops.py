@@ -26,7 +26,7 @@ from starlette.routing import Route
 from .auth import ADMIN, READ_ONLY
 from .bodies import TENANT_KEY, read_json
 from .errors import bad_request, from_exception, query_param
-from .limits import check_name
+from .limits import INT32_MAX, INT32_MIN, check_name
 from .metrics import CONTENT_TYPE
 
 STATUS_SQL = "SELECT * FROM queen.get_timer_status()"
@@ -94,9 +94,12 @@ def _int_query(request: Request, name: str, default: int) -> int:
     if raw is None or raw == "":
         return default
     try:
-        return int(raw)
+        value = int(raw)
     except ValueError:
         raise bad_request(f"query parameter {name} must be an integer") from None
+    if not INT32_MIN <= value <= INT32_MAX:
+        raise bad_request(f"query parameter {name} is out of range (a 32-bit integer)")
+    return value
 
 
 async def timers_stats(request: Request) -> JSONResponse:

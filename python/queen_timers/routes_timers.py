@@ -38,7 +38,7 @@ from .auth import READ_ONLY, READ_WRITE, WRITE_ONLY
 from .bodies import (PAYLOAD_CEILING_BYTES, SMALL_BODY_BYTES, TENANT_KEY, read_json, values_bound, weigh_answer,
                      weigh_fetched)
 from .errors import ApiError, bad_request, from_exception, query_param
-from .limits import MAX_PARTITION_BYTES, MAX_QUEUE_BYTES, MAX_TIMER_KEY_BYTES, MAX_TXN_BYTES, check_name
+from .limits import INT32_MAX, INT32_MIN, MAX_PARTITION_BYTES, MAX_QUEUE_BYTES, MAX_TIMER_KEY_BYTES, MAX_TXN_BYTES, check_name
 from .openapi import openapi_endpoint
 
 log = logging.getLogger("queen_timers.timers")
@@ -65,7 +65,6 @@ FIELD_NAMES = frozenset(FIELDS)
 # the ops that some field does not apply to (cancel): only theirs are checked field by field
 NARROW_OPS = frozenset(op for op in OPS if any(op not in ops for ops in FIELDS.values()))
 INT64_MIN, INT64_MAX = -(2 ** 63), 2 ** 63 - 1
-INT32_MIN, INT32_MAX = -(2 ** 31), 2 ** 31 - 1
 
 # The ops travel as ten parallel arrays in binary format (%b), built in bulk by
 # db.binary_array (psycopg's own dump of a list runs element by element in

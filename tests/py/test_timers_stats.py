@@ -95,7 +95,12 @@ def test_an_empty_tenant_and_bad_parameters(client, db):
     assert body["totals"] == {"pending": 0, "due": 0, "claimed": 0, "retrying": 0}
     for params, detail in [({"buckets": "0"}, "buckets must be 1..1440"), ({"buckets": "1441"}, "buckets must be 1..1440"),
                            ({"bucketSeconds": "0"}, "bucketSeconds must be 1..86400"),
-                           ({"buckets": "ten"}, "buckets must be an integer")]:
+                           ({"buckets": "ten"}, "buckets must be an integer"),
+                           # past a 32-bit integer: the same range error, not a 500
+                           ({"buckets": "2147483647"}, "buckets must be 1..1440"),
+                           ({"buckets": "2147483648"}, "buckets is out of range"),
+                           ({"buckets": "-99999999999999999999"}, "buckets is out of range"),
+                           ({"bucketSeconds": "9223372036854775808"}, "bucketSeconds is out of range")]:
         r = client.get(STATS, params=params)
         assert detail in assert_error(r, 400, "timers_bad_request")["detail"]
 
