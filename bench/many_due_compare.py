@@ -30,8 +30,18 @@ from harness import Cluster, connect, log, start_broker, wait_until  # noqa: E40
 LATE_AFTER_MS = 100
 
 
-def run(url: str, root: Path, tenants: int, per_tenant: int) -> tuple[float, float]:
+FOLD_SQL = """
+    SELECT coalesce(sum(calls), 0), coalesce(sum(total_exec_time), 0)
+      FROM pg_stat_statements
+     WHERE toplevel AND query LIKE '%fold_pending_deltas%'
+       AND dbid = (SELECT oid FROM pg_database WHERE datname = current_database())"""
+
+
+def run(url: str, root: Path, tenants: int, per_tenant: int) -> tuple[float, float, int, float]:
+    """The backlog's seconds, late's lag (ms), and the sweeper's folds of the pending-counter
+    deltas meanwhile: calls and total ms (pg_stat_statements, top-level)."""
     with connect(url) as c:
+        c.execute("CREATE EXTENSION IF NOT EXISTS pg_stat_statements")
         c.execute("TRUNCATE queen.timers, queen.messages, queen.tenant_usage, queen.tenant_usage_deltas")
         c.execute("SELECT count(queen.ensure_partition('md-' || g, 'mq', 'Default')) FROM generate_series(1, %s) g",
                   (tenants,))
@@ -53,6 +63,7 @@ def run(url: str, root: Path, tenants: int, per_tenant: int) -> tuple[float, flo
                 'late-1', '\\x7b7d'::bytea, NULL, NULL, NULL, NULL)::queen.timer_op])""", (due,)).fetchone()[0]
         # the broker applies the migrations it knows at start: it must know only its side's
         # (QUEEN_SQL_DIR), or it would bring the other checkout's schema up to this one's
+        c.execute("SELECT pg_stat_statements_reset()")
         broker = start_broker(url, name="many-due", QUEEN_SQL_DIR=str(root / "sql"))
         try:
             if c.execute("SELECT clock_timestamp() >= %s", (due,)).fetchone()[0]:
@@ -62,6 +73,7 @@ def run(url: str, root: Path, tenants: int, per_tenant: int) -> tuple[float, flo
                 raise RuntimeError("the backlog was not fired within 600 s")
         finally:
             broker.stop()
+        fold_calls, fold_ms = c.execute(FOLD_SQL).fetchone()
         secs, lag_ms = c.execute("""
             SELECT extract(epoch FROM max(pg_xact_commit_timestamp(xmin)) - %s),
                    extract(epoch FROM max(pg_xact_commit_timestamp(xmin)) FILTER (WHERE transaction_id = 'late-1')
@@ -70,7 +82,7 @@ def run(url: str, root: Path, tenants: int, per_tenant: int) -> tuple[float, flo
         n = c.execute("SELECT count(*) FROM queen.messages").fetchone()[0]
         if n != tenants * per_tenant + 1:
             raise RuntimeError(f"{n} frames for {tenants * per_tenant + 1} timers")
-        return float(secs), float(lag_ms)
+        return float(secs), float(lag_ms), int(fold_calls), float(fold_ms)
 
 
 def main() -> None:
@@ -86,19 +98,19 @@ def main() -> None:
     try:
         roots = {"this": here, "compare": args.compare.resolve()}
         sides = {name: build_db(cluster, f"many_{name}", root) for name, root in roots.items()}
-        got: dict[str, list[tuple[float, float]]] = {k: [] for k in sides}
+        got: dict[str, list[tuple[float, float, int, float]]] = {k: [] for k in sides}
         log(f"== {args.tenants:,} tenants with {args.per_tenant:,} timers each due at T, tenant late's one "
             f"due {LATE_AFTER_MS} ms after T; one broker ==")
         for r in range(args.rounds):
             names = list(sides)
             for name in names[r % 2:] + names[:r % 2]:
                 got[name].append(run(sides[name], roots[name], args.tenants, args.per_tenant))
-                secs, lag = got[name][-1]
+                secs, lag, folds, fold_ms = got[name][-1]
                 log(f"  round {r + 1} {name:8}: backlog fired in {secs:6.2f} s; late's timer fired {lag:9.1f} ms "
-                    f"after its deliver_at")
+                    f"after its deliver_at; {folds} folds took {fold_ms / 1000:5.2f} s of the sweeper's")
         for name, v in got.items():
             log(f"  median {name:8}: backlog {statistics.median(x[0] for x in v):6.2f} s; late's lag "
-                f"{statistics.median(x[1] for x in v):9.1f} ms")
+                f"{statistics.median(x[1] for x in v):9.1f} ms; folds {statistics.median(x[3] for x in v) / 1000:5.2f} s")
     finally:
         cluster.destroy()
 

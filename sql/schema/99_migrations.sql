@@ -25,4 +25,5 @@ INSERT INTO queen.schema_migrations (version, name) VALUES
     (20, 'schedule_plain_insert'),
     (21, 'quota_lookup'),
     (22, 'fire_many_due'),
-    (23, 'fire_turn');
+    (23, 'fire_turn'),
+    (24, 'fold_hashed');

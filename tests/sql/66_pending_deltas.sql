@@ -3,7 +3,7 @@
 -- queen.get_pending_timers (base + deltas), queen.fold_pending_deltas,
 -- queen.get_timer_status reading both.
 BEGIN;
-SELECT plan(38);
+SELECT plan(41);
 
 CREATE FUNCTION pg_temp.t0() RETURNS timestamptz LANGUAGE sql AS $$ SELECT '2030-01-01 00:00:00+00'::timestamptz $$;
 CREATE FUNCTION pg_temp.at(p_seconds numeric) RETURNS timestamptz LANGUAGE sql AS $$ SELECT pg_temp.t0() + p_seconds * interval '1 second' $$;
@@ -73,6 +73,24 @@ SELECT is((SELECT count(*) FROM queen.tenant_usage_deltas WHERE tenant IN ('dx-a
 SELECT results_eq($$SELECT tenant, pending_timers FROM queen.tenant_usage WHERE tenant IN ('dx-a', 'dx-b') ORDER BY 1$$,
                   $$VALUES ('dx-a', 0::bigint), ('dx-b', 0::bigint)$$, 'the base rows now hold the counts');
 SELECT is(queen.fold_pending_deltas(), 0::bigint, 'nothing to fold: 0');
+
+-- ---------------------------------------------------------------- many tenants, past the plan cache's generic plan
+SELECT is((SELECT proconfig FROM pg_proc WHERE oid = 'queen.fold_pending_deltas(integer)'::regprocedure),
+          ARRAY['jit=off'], 'the fold runs without JIT (compiling cost more than the fold)');
+INSERT INTO queen.tenant_usage (tenant, pending_timers) SELECT 'dx-m' || g, 100 FROM generate_series(1, 300) g;
+CREATE FUNCTION pg_temp.fold_rounds() RETURNS bigint LANGUAGE plpgsql AS $$
+DECLARE v_n bigint := 0;
+BEGIN
+    FOR r IN 1..8 LOOP  -- more calls than the custom plans PL/pgSQL makes before a generic one
+        INSERT INTO queen.tenant_usage_deltas (tenant, pending_delta)
+        SELECT 'dx-m' || (1 + g % 300), -1 FROM generate_series(1, 600) g;
+        v_n := v_n + queen.fold_pending_deltas(600);
+    END LOOP;
+    RETURN v_n;
+END $$;
+SELECT is(pg_temp.fold_rounds(), 4800::bigint, '8 folds of 600 deltas of 300 tenants fold them all');
+SELECT results_eq($$SELECT count(*), min(pending_timers), max(pending_timers) FROM queen.tenant_usage WHERE tenant LIKE 'dx-m%'$$,
+                  $$VALUES (300::bigint, 84::bigint, 84::bigint)$$, 'each tenant lost its 16');
 
 -- ---------------------------------------------------------------- DLQ move: a delta
 SELECT is((SELECT count(*) FROM pg_temp.sched('dx-c', pg_temp.op('schedule', 'c1', -1000))), 1::bigint, 'setup: dx-c has one due timer');
