@@ -103,6 +103,9 @@ def test_an_empty_tenant_and_bad_parameters(client, db):
                            ({"bucketSeconds": "9223372036854775808"}, "bucketSeconds is out of range")]:
         r = client.get(STATS, params=params)
         assert detail in assert_error(r, 400, "timers_bad_request")["detail"]
+    for limit in ("99999999999999999999", "-99999999999999999999"):  # clamped, as any limit
+        r = client.get(STATS, params={"limit": limit})
+        assert r.status_code == 200, r.text
 
 
 def test_only_the_callers_tenant_and_read_only_access(jwt_client, db):
