@@ -97,6 +97,17 @@ $$;
 -- ---------------------------------------------------------------------
 -- Claim and fire
 -- ---------------------------------------------------------------------
+-- enable_seqscan, enable_bitmapscan and enable_sort off on the functions
+-- that choose due rows (fire_due_rows, claim_due_rows, find_due_tenants):
+-- they must walk the deliver_at indexes in order and stop at their LIMIT,
+-- whatever the statistics say. An autovacuum ANALYZE that ran while a bulk
+-- load was not yet committed left queen.timers "empty" over thousands of
+-- pages; every plan then took all due rows by a bitmap scan and sorted
+-- them, at every batch, until the next ANALYZE (a backlog of 1,000,000
+-- fired at half speed, another tenant's timer 460-670 ms late; see
+-- tests/sql/48_fire_stale_stats.sql). The sorts of a batch's own rows stay,
+-- and the cost of a disabled node they carry would cross jit_above_cost: no
+-- JIT there either (it compiled for 170 ms a call of find_due_tenants).
 -- plan_cache_mode = force_custom_plan on the functions that join a batch
 -- array: after five calls PL/pgSQL switches to a generic plan that guesses
 -- unnest(array) at 10 rows and joins the batch by nested loop, quadratic
@@ -167,7 +178,8 @@ CREATE FUNCTION queen.claim_due_rows(
     p_tenants   text[]  DEFAULT NULL,
     p_share     integer DEFAULT NULL)
 RETURNS SETOF queen.claimed_timer
-LANGUAGE plpgsql SET plan_cache_mode = force_custom_plan AS $$
+LANGUAGE plpgsql SET plan_cache_mode = force_custom_plan
+    SET enable_seqscan = off SET enable_bitmapscan = off SET enable_sort = off SET jit = off AS $$
 DECLARE
     v_ids tid[];
 BEGIN
@@ -364,7 +376,7 @@ $$;
 CREATE FUNCTION queen.find_due_tenants(p_now timestamptz, p_limit integer, p_except text[] DEFAULT NULL,
                                        p_zstd boolean DEFAULT false)
 RETURNS text[]
-LANGUAGE plpgsql AS $$
+LANGUAGE plpgsql SET enable_seqscan = off SET enable_bitmapscan = off SET enable_sort = off SET jit = off AS $$
 DECLARE
     v_turn text := coalesce(current_setting('queen.fire_turn', true), '');
     v_cand text[];
@@ -483,7 +495,7 @@ CREATE FUNCTION queen.fire_due_rows(
     p_share   integer DEFAULT NULL,
     p_redo    boolean DEFAULT false)
 RETURNS queen.fire_result[]
-LANGUAGE plpgsql AS $$
+LANGUAGE plpgsql SET enable_seqscan = off SET enable_bitmapscan = off SET enable_sort = off SET jit = off AS $$
 DECLARE
     v_now  timestamptz := coalesce(p_now, now());
     v_ids  tid[];

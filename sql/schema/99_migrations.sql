@@ -26,4 +26,5 @@ INSERT INTO queen.schema_migrations (version, name) VALUES
     (21, 'quota_lookup'),
     (22, 'fire_many_due'),
     (23, 'fire_turn'),
-    (24, 'fold_hashed');
+    (24, 'fold_hashed'),
+    (25, 'fire_plan_settings');
