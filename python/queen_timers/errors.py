@@ -70,6 +70,18 @@ def query_param(params, name: str) -> str | None:
     return values[0] if values else None
 
 
+def query_int(params, name: str) -> int | None:
+    """Query parameter `name` as an integer, or None when absent or empty; 400 when it is
+    not an integer. Each route bounds it: clamped, or refused past its range."""
+    raw = query_param(params, name)
+    if raw is None or raw == "":
+        return None
+    try:
+        return int(raw)
+    except ValueError:
+        raise bad_request(f"query parameter {name} must be an integer") from None
+
+
 def text_problem(value: str) -> str | None:
     """Why PostgreSQL's text cannot hold this string (NUL, or a lone surrogate
     that is not UTF-8), or None when it can."""

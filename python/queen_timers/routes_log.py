@@ -28,7 +28,7 @@ from starlette.routing import Route
 from . import convertors, db, payloads  # noqa: F401 (convertors: registers {x:anypath})
 from .auth import READ_ONLY, READ_WRITE
 from .bodies import PAYLOAD_CEILING_BYTES, TENANT_KEY, read_json, weigh_answer, weigh_fetched
-from .errors import ApiError, bad_request, check_json_unicode, check_text, from_exception, query_param
+from .errors import ApiError, bad_request, check_json_unicode, check_text, from_exception, query_int, query_param
 from .limits import INT32_MAX, check_name
 
 QUEUE_MODE = "__QUEUE_MODE__"
@@ -128,14 +128,8 @@ def _read_payload(settings, raw: bytes, is_encrypted: bool) -> bytes:
 
 
 def _int_param(request: Request, name: str, default: int, minimum: int, maximum: int) -> int:
-    raw = query_param(request.query_params, name)
-    if raw is None or raw == "":
-        return default
-    try:
-        value = int(raw)
-    except ValueError:
-        raise bad_request(f"query parameter {name} must be an integer") from None
-    return max(minimum, min(maximum, value))
+    value = query_int(request.query_params, name)
+    return default if value is None else max(minimum, min(maximum, value))
 
 
 def _bool_param(request: Request, name: str, default: bool = False) -> bool:

@@ -25,7 +25,7 @@ from starlette.routing import Route
 
 from .auth import ADMIN, READ_ONLY
 from .bodies import TENANT_KEY, read_json
-from .errors import bad_request, from_exception, query_param
+from .errors import bad_request, from_exception, query_int, query_param
 from .limits import INT32_MAX, INT32_MIN, check_name
 from .metrics import CONTENT_TYPE
 
@@ -89,17 +89,11 @@ def _iso(value) -> str | None:
     return None if value is None else value.astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
-def _int_query(request: Request, name: str, default: int, clamp: bool = False) -> int:
-    """An integer query parameter; past a 32-bit integer a 400, or with `clamp` held to it."""
-    raw = query_param(request.query_params, name)
-    if raw is None or raw == "":
+def _int_query(request: Request, name: str, default: int) -> int:
+    """An integer query parameter the SQL checks the range of; past a 32-bit integer a 400."""
+    value = query_int(request.query_params, name)
+    if value is None:
         return default
-    try:
-        value = int(raw)
-    except ValueError:
-        raise bad_request(f"query parameter {name} must be an integer") from None
-    if clamp:
-        return max(INT32_MIN, min(INT32_MAX, value))
     if not INT32_MIN <= value <= INT32_MAX:
         raise bad_request(f"query parameter {name} is out of range (a 32-bit integer)")
     return value
@@ -115,7 +109,8 @@ async def timers_stats(request: Request) -> JSONResponse:
     buckets = _int_query(request, "buckets", 60)
     bucket_seconds = _int_query(request, "bucketSeconds", 60)
     page = stats_page_size(buckets)
-    limit = max(1, min(_int_query(request, "limit", page, clamp=True), page))  # clamped (docs/limits.md)
+    asked = query_int(request.query_params, "limit")
+    limit = page if asked is None else max(1, min(asked, page))  # clamped (docs/limits.md)
     after = query_param(request.query_params, "after") or None
     if after is not None:
         check_name("queue", after, "after: ")  # a queue name: its limits
