@@ -12,9 +12,11 @@ parser or loop (`--cancel-load-variant`, bench/broker_variant.py) can.
 
 Fairness of the SQL comparison (issue 12):
 - one client connection for both sides (same settings), statements prepared
-  on both sides (psycopg prepare=True), the same N keys re-seeded before
-  every run (same rows, same pages: VACUUM ANALYZE + CHECKPOINT after the
-  seed), rounds alternating the order of the two sides, median of rounds;
+  on both sides (psycopg prepare=True), N keys a side re-seeded before
+  every round (same rows, same pages: VACUUM ANALYZE + CHECKPOINT after the
+  seed), the two sides interleaved in blocks of 200 calls within a round,
+  alternating which goes first (sql_pair: the disk's bursts of slow commits
+  fall on both), median of rounds;
 - the broker is stopped (SIGSTOP) during the SQL rounds, so that its
   sweeper takes no part; pg_stat_statements tracks top-level statements
   only on the timing connection (the extension's default; the bench's
@@ -52,16 +54,17 @@ BARE_SQL = ("DELETE FROM queen.timers WHERE (tenant, queue, timer_key) = (%s, %s
             "RETURNING timer_key")
 
 
-def _key(i: int) -> str:
-    return f"c-{i}"
+def _key(i: int, prefix: str = "c") -> str:
+    return f"{prefix}-{i}"
 
 
-def seed(conn, n: int, queue: str = QUEUE) -> None:
-    """The same n pending timers (keys c-1..c-n, deliver in 30 days) and a
-    counter that matches the table; same pages for every run."""
+def seed(conn, n: int, queue: str = QUEUE, prefixes: tuple[str, ...] = ("c",)) -> None:
+    """The same n pending timers per prefix (keys c-1..c-n, deliver in 30 days)
+    and a counter that matches the table; same pages for every run."""
     conn.execute("DELETE FROM queen.timers WHERE queue = %s", (queue,))
-    load_timers(conn, queue=queue, n=n, prefix="c", expected=False,
-                deliver_sql="now() + interval '30 days'")
+    for prefix in prefixes:
+        load_timers(conn, queue=queue, n=n, prefix=prefix, expected=False,
+                    deliver_sql="now() + interval '30 days'")
     conn.execute("DELETE FROM queen.tenant_usage_deltas WHERE tenant = %s", (TENANT,))
     conn.execute("""UPDATE queen.tenant_usage
                        SET pending_timers = (SELECT count(*) FROM queen.timers WHERE tenant = %(t)s)
@@ -76,8 +79,9 @@ def counter(conn) -> int:
     return conn.execute("SELECT queen.get_pending_timers(%s)", (TENANT,)).fetchone()[0]
 
 
-def left(conn, queue: str = QUEUE) -> int:
-    return conn.execute("SELECT count(*) FROM queen.timers WHERE queue = %s", (queue,)).fetchone()[0]
+def left(conn, queue: str = QUEUE, prefix: str | None = None) -> int:
+    return conn.execute("SELECT count(*) FROM queen.timers WHERE queue = %s AND (%s::text IS NULL OR "
+                        "timer_key LIKE %s::text || '-%%')", (queue, prefix, prefix)).fetchone()[0]
 
 
 def _summary(lat: list[float], secs: float) -> dict:
@@ -111,6 +115,54 @@ def sql_run(client, admin, method: str, n: int) -> dict:
                             else "DELETE FROM queen.timers WHERE (tenant, queue, timer_key)%")).fetchone()
     out.update(hits=hits, left=left(admin), counter_drop=before - counter(admin),
                server_us=server[0] * 1000 if server else None)
+    return out
+
+
+# The two sides of the SQL comparison, interleaved in blocks on one connection.
+# This machine's disk stalls in bursts: a run of 1,500 consecutive commits that
+# wait 0.5-1.5 ms each instead of 0.1 (seen in a probe, 09:20 on Dec 6). In
+# rounds of 10,000 calls a side, such a burst lands on one side of a round and
+# moves the round's ratio from 1.4 to 0.45, whichever side is faster. In blocks
+# of BLOCK calls, alternating which side goes first, both sides share every
+# minute of the disk.
+PAIR = ("cancel_timer", "bare_delete")
+PREFIX = {"cancel_timer": "c", "bare_delete": "b"}
+BLOCK = 200
+
+
+def sql_pair(client, admin, n: int, block: int = BLOCK) -> dict[str, dict]:
+    """n single cancels by key from one client on each side, queen.cancel_timer
+    and the bare DELETE, interleaved in blocks of `block` calls on the same
+    table (keys c-i and b-i seeded together); each side's rate is its calls
+    over the time its own blocks took."""
+    seed(admin, n, prefixes=tuple(PREFIX[m] for m in PAIR))
+    before = counter(admin)
+    admin.execute("SELECT pg_stat_statements_reset()")
+    lat: dict[str, list[float]] = {m: [] for m in PAIR}
+    busy = dict.fromkeys(PAIR, 0.0)
+    hits = dict.fromkeys(PAIR, 0)
+    for b, start in enumerate(range(1, n + 1, block)):
+        for method in (PAIR if b % 2 == 0 else PAIR[::-1]):
+            sql, prefix = (CANCEL_SQL if method == "cancel_timer" else BARE_SQL), PREFIX[method]
+            t0 = time.perf_counter()
+            for i in range(start, min(start + block, n + 1)):
+                t = time.perf_counter()
+                row = client.execute(sql, (TENANT, QUEUE, _key(i, prefix)), prepare=True).fetchone()
+                lat[method].append(time.perf_counter() - t)
+                hits[method] += row is not None and (method != "cancel_timer" or row[0] == "cancelled")
+            busy[method] += time.perf_counter() - t0
+    drop = before - counter(admin)
+    out = {}
+    for method in PAIR:
+        server = admin.execute("""SELECT mean_exec_time FROM pg_stat_statements
+                                   WHERE calls >= %s AND query LIKE %s""",
+                               (n, "SELECT queen.cancel_timer(%" if method == "cancel_timer"
+                                else "DELETE FROM queen.timers WHERE (tenant, queue, timer_key)%")).fetchone()
+        o = _summary(lat[method], busy[method])
+        o.update(hits=hits[method], left=left(admin, prefix=PREFIX[method]),
+                 counter_drop=drop if method == "cancel_timer" else 0,
+                 server_us=server[0] * 1000 if server else None)
+        out[method] = o
     return out
 
 
@@ -596,7 +648,7 @@ def _bench_cancel(url, broker, res, n, rounds, http_n, load_seconds, fire_rate, 
                              list(load_clients), generator, variants)
         return
     log(f"\n== cancel: {n} single cancels by key from one client, queen.cancel_timer vs a bare DELETE, "
-        f"{rounds} alternating rounds ==")
+        f"{rounds} rounds, each the two sides interleaved in blocks of {BLOCK} ==")
     sql_runs: dict[str, list[dict]] = {"cancel_timer": [], "bare_delete": []}
     with connect(url) as admin, psycopg.connect(url, autocommit=True) as client:
         client.execute("SET pg_stat_statements.track = 'top'")
@@ -604,9 +656,8 @@ def _bench_cancel(url, broker, res, n, rounds, http_n, load_seconds, fire_rate, 
             b.proc.send_signal(signal.SIGSTOP)
         try:
             for r in range(rounds):
-                order = ("cancel_timer", "bare_delete") if r % 2 == 0 else ("bare_delete", "cancel_timer")
-                for method in order:
-                    out = sql_run(client, admin, method, n)
+                outs = sql_pair(client, admin, n)
+                for method, out in outs.items():
                     sql_runs[method].append(out)
                     log(f"  round {r + 1} {method:12s}: {out['per_s']:7.0f} cancels/s  p50 {out['p50_ms']:.3f} ms  "
                         f"p99 {out['p99_ms']:.3f} ms  server {out['server_us'] or 0:.1f} us/call  "

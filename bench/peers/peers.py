@@ -9,7 +9,7 @@ Measures (sizes are options; --quick for a smoke run):
 - drain: n due jobs by each system's worker at its default and a tuned concurrency, capped
   at --drain-cap seconds (the partial count is printed);
 - cancel: single cancels by key (pg-boss: by id), p50/p99 (queen: cancel_timer and the bare
-  delete, queen's own ratio);
+  delete interleaved in blocks of 200, queen's own ratio, then DELETE over HTTP);
 - lag: --lag-rate jobs/s for --lag-seconds, each due 2 s after it was scheduled; lag = start
   (queen: commit of the fired frame) minus the due instant. The peers read both instants on the
   host clock, which is the database's clock (one machine); queen reads both in the database.
@@ -85,9 +85,12 @@ def queen_schedule(url, broker, admin, side, n, clients) -> dict:
 
 
 def queen_cancel(admin, client, broker, side, n) -> dict:
+    """`http`: DELETE over HTTP; `sql`: cancel_timer and the bare delete, interleaved
+    in blocks (bench/cancel.py's sql_pair), keyed by side."""
     if side == "http":
-        return cancel.http_run(broker, admin, 1, n)
-    return cancel.sql_run(client, admin, side, n)
+        return {"http": cancel.http_run(broker, admin, 1, n)}
+    outs = cancel.sql_pair(client, admin, n)
+    return {"cancel_timer": outs["cancel_timer"], "bare": outs["bare_delete"]}
 
 
 DRAIN_LEAD_S = 8.0
@@ -243,9 +246,11 @@ def main() -> int:
             if "cancel" in only:
                 for s in order:
                     if s == "queen":
-                        for side in ("cancel_timer", "bare", "http"):
-                            record("cancel", f"queen {side}", broker_checked(
-                                broker, lambda: queen_cancel(admin, client, broker, side, args.cancel_n)))
+                        for side in ("sql", "http"):
+                            outs = broker_checked(broker, lambda: queen_cancel(admin, client, broker, side,
+                                                                               args.cancel_n))
+                            for label, out in outs.items():
+                                record("cancel", f"queen {label}", out)
                     else:
                         record("cancel", s, run_peer(s, "cancel", urls[s], 900, n=args.cancel_n))
             if "drain" in only and r < args.slow_rounds:
