@@ -27,4 +27,5 @@ INSERT INTO queen.schema_migrations (version, name) VALUES
     (22, 'fire_many_due'),
     (23, 'fire_turn'),
     (24, 'fold_hashed'),
-    (25, 'fire_plan_settings');
+    (25, 'fire_plan_settings'),
+    (26, 'pop_bounded');

@@ -2634,6 +2634,9 @@ BEGIN
              WHERE partition_id = c.id AND consumer_group = v_group;
         END IF;
 
+        -- LIMIT v_n: a btree scan ends at the row bound below only past v_lxid
+        -- (it stops on a row comparison's first column alone), so without it
+        -- every later frame of v_lxid's transaction was read.
         RETURN QUERY
         SELECT m.id, m.seq, m.transaction_id, m.trace_id, m.payload, m.is_encrypted, m.producer_sub,
                m.created_at, q.name, c.id, c.name,
@@ -2643,7 +2646,8 @@ BEGIN
          WHERE m.partition_id = c.id
            AND (m.xid, m.seq) > (pc.last_consumed_xid, pc.last_consumed_seq)
            AND (m.xid, m.seq) <= (v_lxid, v_lseq)
-         ORDER BY m.xid, m.seq;
+         ORDER BY m.xid, m.seq
+         LIMIT v_n;
         RETURN;
     END LOOP;
 END
@@ -3527,7 +3531,8 @@ INSERT INTO queen.schema_migrations (version, name) VALUES
     (22, 'fire_many_due'),
     (23, 'fire_turn'),
     (24, 'fold_hashed'),
-    (25, 'fire_plan_settings');
+    (25, 'fire_plan_settings'),
+    (26, 'pop_bounded');
 
 -- generated: tables of the extension that hold user data are dumped by pg_dump
 DO $qt$
