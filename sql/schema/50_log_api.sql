@@ -377,6 +377,13 @@ $$;
 -- the message whose predecessors' bytes reach it (the first is always
 -- handed out), so what a pop makes the broker hold is its setting
 -- (QUEEN_POP_MAX_BYTES), not batch x the largest message.
+-- Its plans walk messages_partition_xid_seq_idx in order and stop at the
+-- batch whatever the statistics say: no seq or bitmap scans, no sort it can
+-- avoid, no JIT (as the fire, migration 025), and the check for frames after
+-- a partition's cursor a subquery with LIMIT, which cannot become a join.
+-- With the statistics of an empty table (a large push not yet committed
+-- when autovacuum analyzed messages) a pop took every frame after the cursor
+-- and sorted them, and the check scanned the index from its start.
 CREATE FUNCTION queen.pop_messages(
     p_tenant         text,
     p_queue          text,
@@ -387,7 +394,7 @@ CREATE FUNCTION queen.pop_messages(
     p_now            timestamptz DEFAULT NULL,
     p_max_bytes      bigint      DEFAULT NULL)
 RETURNS SETOF queen.popped_message
-LANGUAGE plpgsql AS $$
+LANGUAGE plpgsql SET enable_seqscan = off SET enable_bitmapscan = off SET enable_sort = off SET jit = off AS $$
 DECLARE
     v_now     timestamptz := coalesce(p_now, now());
     v_group   text := coalesce(nullif(p_consumer_group, ''), '__QUEUE_MODE__');
@@ -421,9 +428,10 @@ BEGIN
          WHERE p.queue_id = q.id
            AND (p_partition IS NULL OR p.name = p_partition)
            AND (x.lease_expires_at IS NULL OR x.lease_expires_at <= v_now)
-           AND EXISTS (SELECT 1 FROM queen.messages m
-                        WHERE m.partition_id = p.id AND m.xid < v_horizon
-                          AND (m.xid, m.seq) > (coalesce(x.last_consumed_xid, '0'), coalesce(x.last_consumed_seq, 0)))
+           AND (SELECT true FROM queen.messages m
+                 WHERE m.partition_id = p.id AND m.xid < v_horizon
+                   AND (m.xid, m.seq) > (coalesce(x.last_consumed_xid, '0'), coalesce(x.last_consumed_seq, 0))
+                 LIMIT 1)
          ORDER BY x.updated_at NULLS FIRST, p.created_at, p.id
     LOOP
         IF c.no_row THEN
@@ -489,12 +497,16 @@ $$;
 -- behind the cursor is already consumed: acking it again changes nothing.
 -- A partition of another tenant's queue holds no message for this one:
 -- 'Message not found', and nothing is written.
+-- Each item is one lookup of the unique (partition_id, transaction_id), a
+-- subquery with LIMIT and no seq or bitmap scan: with the statistics of an
+-- empty table, a join hashed every frame of the partition, and a bitmap
+-- scan of the log order's index read them all for each item.
 CREATE FUNCTION queen.ack_messages(
     p_tenant text,
     p_acks   queen.ack_item[],
     p_now    timestamptz DEFAULT NULL)
 RETURNS SETOF queen.ack_result
-LANGUAGE plpgsql AS $$
+LANGUAGE plpgsql SET enable_seqscan = off SET enable_bitmapscan = off AS $$
 DECLARE
     v_now    timestamptz := coalesce(p_now, now());
     a        record;
@@ -534,12 +546,16 @@ BEGIN
                coalesce(nullif(x.consumer_group, ''), '__QUEUE_MODE__') AS grp,
                (x.n - 1)::integer AS idx,
                m.id AS message_id, m.xid, m.seq, m.payload, m.is_encrypted, m.producer_sub, m.created_at,
-               p.name AS partition_name, q.name AS queue_name, q.retry_limit
+               m.partition_name, m.queue_name, m.retry_limit
           FROM unnest(p_acks) WITH ORDINALITY AS x(transaction_id, partition_id, status, error, lease_id, consumer_group, n)
-          LEFT JOIN (queen.messages m
-                     JOIN queen.partitions p ON p.id = m.partition_id
-                     JOIN queen.queues q ON q.id = p.queue_id AND q.tenant = p_tenant)
-                 ON m.partition_id = x.partition_id AND m.transaction_id = x.transaction_id
+          LEFT JOIN LATERAL (
+                 SELECT m.id, m.xid, m.seq, m.payload, m.is_encrypted, m.producer_sub, m.created_at,
+                        p.name AS partition_name, q.name AS queue_name, q.retry_limit
+                   FROM queen.messages m
+                   JOIN queen.partitions p ON p.id = m.partition_id
+                   JOIN queen.queues q ON q.id = p.queue_id AND q.tenant = p_tenant
+                  WHERE m.partition_id = x.partition_id AND m.transaction_id = x.transaction_id
+                  LIMIT 1) m ON true
          ORDER BY x.partition_id, 6, m.xid NULLS LAST, m.seq NULLS LAST, x.n
     LOOP
         r := ROW(a.idx, a.transaction_id, false, NULL, a.queue_name, a.partition_name, false, false);

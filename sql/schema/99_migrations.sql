@@ -28,4 +28,5 @@ INSERT INTO queen.schema_migrations (version, name) VALUES
     (23, 'fire_turn'),
     (24, 'fold_hashed'),
     (25, 'fire_plan_settings'),
-    (26, 'pop_bounded');
+    (26, 'pop_bounded'),
+    (27, 'consumer_plans');
