@@ -89,32 +89,40 @@ def _summary(lat: list[float], secs: float) -> dict:
             "max_ms": max(lat) * 1000}
 
 
-def sql_run(client, admin, method: str, n: int) -> dict:
-    """n single cancels by key from one client: queen.cancel_timer or the bare DELETE."""
-    seed(admin, n)
-    before = counter(admin)
+def _cancels(client, method: str, keys, lat: list[float]) -> int:
+    """One single cancel per key on `client` by `method` (queen.cancel_timer or the
+    bare DELETE), each call's seconds appended to lat; returns how many hit."""
     sql = CANCEL_SQL if method == "cancel_timer" else BARE_SQL
-    admin.execute("SELECT pg_stat_statements_reset()")
-    lat = []
     hits = 0
-    t0 = time.perf_counter()
-    for i in range(1, n + 1):
+    for key in keys:
         t = time.perf_counter()
-        row = client.execute(sql, (TENANT, QUEUE, _key(i)), prepare=True).fetchone()
+        row = client.execute(sql, (TENANT, QUEUE, key), prepare=True).fetchone()
         lat.append(time.perf_counter() - t)
-        if method == "cancel_timer":
-            hits += row is not None and row[0] == "cancelled"
-        else:
-            hits += row is not None
-    secs = time.perf_counter() - t0
-    out = _summary(lat, secs)
-    # the server's own time per call (top-level statement, pg_stat_statements)
+        hits += row is not None and (method != "cancel_timer" or row[0] == "cancelled")
+    return hits
+
+
+def _server_us(admin, method: str, n: int) -> float | None:
+    """The server's own time per call of `method` since the last reset (top-level
+    statement, pg_stat_statements), in microseconds."""
     server = admin.execute("""SELECT mean_exec_time FROM pg_stat_statements
                                WHERE calls >= %s AND query LIKE %s""",
                            (n, "SELECT queen.cancel_timer(%" if method == "cancel_timer"
                             else "DELETE FROM queen.timers WHERE (tenant, queue, timer_key)%")).fetchone()
+    return server[0] * 1000 if server else None
+
+
+def sql_run(client, admin, method: str, n: int) -> dict:
+    """n single cancels by key from one client: queen.cancel_timer or the bare DELETE."""
+    seed(admin, n)
+    before = counter(admin)
+    admin.execute("SELECT pg_stat_statements_reset()")
+    lat: list[float] = []
+    t0 = time.perf_counter()
+    hits = _cancels(client, method, (_key(i) for i in range(1, n + 1)), lat)
+    out = _summary(lat, time.perf_counter() - t0)
     out.update(hits=hits, left=left(admin), counter_drop=before - counter(admin),
-               server_us=server[0] * 1000 if server else None)
+               server_us=_server_us(admin, method, n))
     return out
 
 
@@ -143,25 +151,17 @@ def sql_pair(client, admin, n: int, block: int = BLOCK) -> dict[str, dict]:
     hits = dict.fromkeys(PAIR, 0)
     for b, start in enumerate(range(1, n + 1, block)):
         for method in (PAIR if b % 2 == 0 else PAIR[::-1]):
-            sql, prefix = (CANCEL_SQL if method == "cancel_timer" else BARE_SQL), PREFIX[method]
             t0 = time.perf_counter()
-            for i in range(start, min(start + block, n + 1)):
-                t = time.perf_counter()
-                row = client.execute(sql, (TENANT, QUEUE, _key(i, prefix)), prepare=True).fetchone()
-                lat[method].append(time.perf_counter() - t)
-                hits[method] += row is not None and (method != "cancel_timer" or row[0] == "cancelled")
+            keys = (_key(i, PREFIX[method]) for i in range(start, min(start + block, n + 1)))
+            hits[method] += _cancels(client, method, keys, lat[method])
             busy[method] += time.perf_counter() - t0
     drop = before - counter(admin)
     out = {}
     for method in PAIR:
-        server = admin.execute("""SELECT mean_exec_time FROM pg_stat_statements
-                                   WHERE calls >= %s AND query LIKE %s""",
-                               (n, "SELECT queen.cancel_timer(%" if method == "cancel_timer"
-                                else "DELETE FROM queen.timers WHERE (tenant, queue, timer_key)%")).fetchone()
         o = _summary(lat[method], busy[method])
         o.update(hits=hits[method], left=left(admin, prefix=PREFIX[method]),
                  counter_drop=drop if method == "cancel_timer" else 0,
-                 server_us=server[0] * 1000 if server else None)
+                 server_us=_server_us(admin, method, n))
         out[method] = o
     return out
 
