@@ -33,6 +33,7 @@ import multiprocessing
 import os
 import queue
 import signal
+import socket
 import statistics
 import threading
 import time
@@ -202,6 +203,46 @@ class RawHttp:
             self.writer.close()
 
 
+class BlockingHttp:
+    """One keep-alive HTTP/1.1 connection on a blocking socket: the client of the
+    one-client DELETE figures, as lean as the SQL side's (one blocking libpq
+    connection). RawHttp's asyncio streams put 30-40 us of the client's own Python
+    on every request's path (p50 0.229 against 0.192 ms on one broker, 9 rounds
+    alternating, Dec 6), which the DELETE's ratio to SQL charged to the broker."""
+
+    def __init__(self, host: str, port: int):
+        self.sock = socket.create_connection((host, port))
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.host = host.encode()
+        self.buf = b""
+
+    def request(self, method: str, path: str) -> tuple[int, bytes]:
+        self.sock.sendall(b"%s %s HTTP/1.1\r\nHost: %s\r\n\r\n" % (method.encode(), path.encode(), self.host))
+        while (end := self.buf.find(b"\r\n\r\n")) < 0:
+            self._recv()
+        head, body = self.buf[:end], self.buf[end + 4:]
+        length = 0
+        for line in head.split(b"\r\n")[1:]:
+            name, _, value = line.partition(b":")
+            if name.strip().lower() == b"content-length":
+                length = int(value)
+        while len(body) < length:
+            self.buf = body
+            self._recv()
+            body = self.buf
+        self.buf = body[length:]
+        return int(head[9:12]), body[:length]
+
+    def _recv(self) -> None:
+        chunk = self.sock.recv(65536)
+        if not chunk:
+            raise ConnectionError("the server closed the connection")
+        self.buf += chunk
+
+    def close(self) -> None:
+        self.sock.close()
+
+
 def _verdict(status: int, body: bytes) -> str:
     if status == 200:
         try:
@@ -236,11 +277,39 @@ async def _http_cancels(broker: Broker, keys: list[str], clients: int) -> tuple[
             c.close()
 
 
-def http_run(broker: Broker, admin, clients: int, n: int) -> dict:
+def _blocking_cancels(broker: Broker, keys: list[str]) -> tuple[float, list[float], dict]:
+    lat: list[float] = []
+    outcomes: dict = {}
+    c = BlockingHttp("127.0.0.1", broker.port)
+    try:
+        c.request("GET", "/health")  # open and served once before the clock starts
+        t0 = time.perf_counter()
+        for key in keys:
+            t = time.perf_counter()
+            status, body = c.request("DELETE", f"/api/v1/timers/{QUEUE}/{key}")
+            lat.append(time.perf_counter() - t)
+            k = (status, _verdict(status, body))
+            outcomes[k] = outcomes.get(k, 0) + 1
+        return time.perf_counter() - t0, lat, outcomes
+    finally:
+        c.close()
+
+
+def http_run(broker: Broker, admin, clients: int, n: int, blocking: bool | None = None) -> dict:
+    """n DELETEs from `clients` keep-alive connections: one blocking socket (the
+    default at one client, as the SQL side's one blocking connection) or asyncio
+    streams on uvloop (several clients, or blocking=False)."""
     seed(admin, n)
     before = counter(admin)
-    # uvloop: the client's own event loop costs little beside the one call of the SQL side
-    secs, lat, outcomes = uvloop.run(_http_cancels(broker, [_key(i) for i in range(1, n + 1)], clients))
+    keys = [_key(i) for i in range(1, n + 1)]
+    if blocking is None:
+        blocking = clients == 1
+    if blocking:
+        assert clients == 1, "one blocking socket is one client"
+        secs, lat, outcomes = _blocking_cancels(broker, keys)
+    else:
+        # uvloop: the client's own event loop costs little beside the one call of the SQL side
+        secs, lat, outcomes = uvloop.run(_http_cancels(broker, keys, clients))
     out = _summary(lat, secs)
     out.update(outcomes={f"{k[0]} {k[1]}": v for k, v in outcomes.items()}, left=left(admin),
                counter_drop=before - counter(admin))
@@ -687,23 +756,24 @@ def _bench_cancel(url, broker, res, n, rounds, http_n, load_seconds, fire_rate, 
                 ratio_medians=round(ratio, 3), ratio_per_round=[round(x, 3) for x in ratios],
                 ratio_p50=round(p50_ratio, 3))
 
-        log(f"\n== cancel over HTTP: DELETE /api/v1/timers/:queue/:key, {http_n} per run, 1 and 4 clients, "
-            f"{rounds} alternating rounds ==")
+        log(f"\n== cancel over HTTP: DELETE /api/v1/timers/:queue/:key, {http_n} per run, 1 client (a blocking "
+            f"socket; and asyncio streams, the client of runs 1-14) and 4 clients, {rounds} alternating rounds ==")
         # 1 and 4 clients on the broker; with --cancel-load-variant, 1 client on each variant
         # broker too (the others stopped meanwhile)
         # and, in every round beside them, cancel_timer in SQL at 1 client for the same count
         # (every broker stopped): the DELETE's baseline, measured in the same minutes, not in
         # the SQL section's (this machine's storage drifts from one minute to the next)
-        kinds: list[tuple[str, int, Broker | None]] = [("1", 1, broker), ("sql", 1, None), ("4", 4, broker)]
-        kinds += [(f"1 {name}", 1, b) for name, b in variants.items()]
+        kinds: list[tuple[str, int, Broker | None, bool | None]] = [
+            ("1", 1, broker, True), ("sql", 1, None, None), ("4", 4, broker, False), ("1 asyncio", 1, broker, False)]
+        kinds += [(f"1 {name}", 1, b, True) for name, b in variants.items()]
         all_brokers = [broker, *variants.values()]
-        http_runs: dict[str, list[dict]] = {k: [] for k, _, _ in kinds}
+        http_runs: dict[str, list[dict]] = {k: [] for k, *_ in kinds}
         for r in range(rounds):
-            for label, clients, target in (kinds if r % 2 == 0 else kinds[::-1]):
+            for label, clients, target, blocking in (kinds if r % 2 == 0 else kinds[::-1]):
                 for b in all_brokers:
                     b.proc.send_signal(signal.SIGCONT if b is target else signal.SIGSTOP)
                 try:
-                    out = http_run(target, admin, clients, http_n) if target else \
+                    out = http_run(target, admin, clients, http_n, blocking) if target else \
                         sql_run(client, admin, "cancel_timer", http_n)
                 finally:
                     for b in all_brokers:
@@ -713,12 +783,12 @@ def _bench_cancel(url, broker, res, n, rounds, http_n, load_seconds, fire_rate, 
                     log(f"  round {r + 1} cancel_timer (SQL, 1 client): p50 {out['p50_ms']:.2f} ms  "
                         f"p99 {out['p99_ms']:.2f} ms")
                     continue
-                log(f"  round {r + 1} {label} client{'s' if clients > 1 else ' '}: {out['per_s']:6.0f} cancels/s  "
+                log(f"  round {r + 1} {label} client{'s' if clients > 1 else ''}: {out['per_s']:6.0f} cancels/s  "
                     f"p50 {out['p50_ms']:.2f} ms  p99 {out['p99_ms']:.2f} ms  {out['outcomes']}")
         hmed = {c: {k: statistics.median(x[k] for x in v) for k in ("per_s", "p50_ms", "p99_ms")}
                 for c, v in http_runs.items()}
         for c, v in hmed.items():
-            name = "cancel_timer SQL" if c == "sql" else f"{c} client{'s' if c.startswith('4') else ' '}"
+            name = "cancel_timer SQL" if c == "sql" else f"{c} client{'s' if c.startswith('4') else ''}"
             log(f"  median {name}: {v['per_s']:6.0f} cancels/s  p50 {v['p50_ms']:.2f} ms  p99 {v['p99_ms']:.2f} ms")
         # the shell's cost: DELETE's p50 at one client against cancel_timer's in SQL, both
         # from the rounds above (the SQL section's p50, minutes earlier, printed beside it)
@@ -729,6 +799,10 @@ def _bench_cancel(url, broker, res, n, rounds, http_n, load_seconds, fire_rate, 
             f"{', '.join(f'{x:.2f}' for x in per_round)}; against the SQL section's "
             f"{med['cancel_timer']['p50_ms']:.3f} ms: {hmed['1']['p50_ms'] / med['cancel_timer']['p50_ms']:.2f}) "
             f"(target <= {TARGET_DELETE_VS_SQL_P50}) {'met' if shell <= TARGET_DELETE_VS_SQL_P50 else 'MISSED'}")
+        old_client = hmed["1 asyncio"]["p50_ms"] / hmed["sql"]["p50_ms"]
+        log(f"  the same with the asyncio-streams client of runs 1-14: {old_client:.2f} "
+            f"({hmed['1 asyncio']['p50_ms']:.3f} ms; the client's own cost "
+            f"{(hmed['1 asyncio']['p50_ms'] - hmed['1']['p50_ms']) * 1000:.0f} us of p50)")
         for name in variants:  # each variant's DELETE beside the same SQL rounds and the broker's
             v = http_runs[f"1 {name}"]
             vs_sql = [h["p50_ms"] / q["p50_ms"] for h, q in zip(v, http_runs["sql"])]
@@ -739,6 +813,7 @@ def _bench_cancel(url, broker, res, n, rounds, http_n, load_seconds, fire_rate, 
                 f"{hmed['1']['p50_ms'] / hmed[f'1 {name}']['p50_ms']:.2f} (per round "
                 f"{', '.join(f'{x:.2f}' for x in broker_vs)})")
         res.put("cancel_http", n=http_n, rounds=rounds, ratio_p50_vs_sql=round(shell, 3),
+                ratio_p50_vs_sql_asyncio_client=round(old_client, 3),
                 ratio_p50_per_round=[round(x, 3) for x in per_round],
                 median={f"{c}_clients": {k: round(x, 3) for k, x in v.items()} for c, v in hmed.items()},
                 runs={f"{c}_clients": [{k: (round(x, 3) if isinstance(x, float) else x) for k, x in o.items()}

@@ -85,7 +85,8 @@ def queen_schedule(url, broker, admin, side, n, clients) -> dict:
 
 
 def queen_cancel(admin, client, broker, side, n) -> dict:
-    """`http`: DELETE over HTTP; `sql`: cancel_timer and the bare delete, interleaved
+    """`http`: DELETE over HTTP from one blocking socket (bench/cancel.py's http_run,
+    as the SQL side's one blocking connection); `sql`: cancel_timer and the bare delete, interleaved
     in blocks (bench/cancel.py's sql_pair), keyed by side."""
     if side == "http":
         return {"http": cancel.http_run(broker, admin, 1, n)}
