@@ -171,6 +171,15 @@ def sql_pair(client, admin, n: int, block: int = BLOCK) -> dict[str, dict]:
 # HTTP
 # -------------------------------------------------------------------------
 
+def content_length(head: bytes) -> int:
+    """A response head's Content-Length (0 without one)."""
+    for line in head.split(b"\r\n")[1:]:
+        name, _, value = line.partition(b":")
+        if name.strip().lower() == b"content-length":
+            return int(value)
+    return 0
+
+
 class RawHttp:
     """One keep-alive HTTP/1.1 connection on asyncio streams: a request line, the
     response head, Content-Length bytes of body. The bench's client must cost
@@ -191,12 +200,7 @@ class RawHttp:
         """headers: more header lines, each ending in CRLF."""
         self.writer.write(f"{method} {path} HTTP/1.1\r\nHost: {self.host}\r\n{headers}\r\n".encode())
         head = await self.reader.readuntil(b"\r\n\r\n")
-        length = 0
-        for line in head.split(b"\r\n")[1:]:
-            name, _, value = line.partition(b":")
-            if name.strip().lower() == b"content-length":
-                length = int(value)
-        return int(head[9:12]), await self.reader.readexactly(length)
+        return int(head[9:12]), await self.reader.readexactly(content_length(head))
 
     def close(self) -> None:
         if self.writer:
@@ -221,11 +225,7 @@ class BlockingHttp:
         while (end := self.buf.find(b"\r\n\r\n")) < 0:
             self._recv()
         head, body = self.buf[:end], self.buf[end + 4:]
-        length = 0
-        for line in head.split(b"\r\n")[1:]:
-            name, _, value = line.partition(b":")
-            if name.strip().lower() == b"content-length":
-                length = int(value)
+        length = content_length(head)
         while len(body) < length:
             self.buf = body
             self._recv()

@@ -35,6 +35,7 @@ import time
 
 import jwt
 
+from cancel import content_length
 from harness import log, metric_sum, pct, start_broker
 
 SECRET = "bench-secret-for-queen-timers-mem-section-0123"
@@ -266,12 +267,7 @@ async def _deletes(port: int, rate: float, stop, phase, out: dict) -> None:
             try:
                 conn[1].write(data)
                 head = await conn[0].readuntil(b"\r\n\r\n")
-                length = 0
-                for line in head.split(b"\r\n")[1:]:
-                    name, _, value = line.partition(b":")
-                    if name.strip().lower() == b"content-length":
-                        length = int(value)
-                await conn[0].readexactly(length)
+                await conn[0].readexactly(content_length(head))
                 return int(head[9:12])
             except (asyncio.IncompleteReadError, ConnectionError):
                 conn[1].close()

@@ -42,7 +42,7 @@ import orjson
 import psycopg
 import uvloop
 
-from cancel import RawHttp
+from cancel import RawHttp, content_length
 from harness import OUT, Broker, connect, explain_rolled_back, log
 
 from queen_timers.routes_timers import SCHEDULE_SQL, _parse_ops, _schedule_params
@@ -140,12 +140,7 @@ class RawPost(RawHttp):
         self.writer.write(f"POST {path} HTTP/1.1\r\nHost: {self.host}\r\nContent-Type: application/json\r\n"
                           f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
         head = await self.reader.readuntil(b"\r\n\r\n")
-        length = 0
-        for line in head.split(b"\r\n")[1:]:
-            name, _, value = line.partition(b":")
-            if name.strip().lower() == b"content-length":
-                length = int(value)
-        return int(head[9:12]), await self.reader.readexactly(length)
+        return int(head[9:12]), await self.reader.readexactly(content_length(head))
 
 
 async def _http_side(broker: Broker, bodies: list[bytes], clients: int) -> tuple[float, dict, int]:
