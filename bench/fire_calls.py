@@ -25,8 +25,7 @@ import psycopg
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
-from fire_sessions import build_db  # noqa: E402
-from harness import Cluster, load_timers, log, pct  # noqa: E402
+from harness import checkouts, load_timers, log, pct  # noqa: E402
 from queen_timers.sweeper import CLAIM, FIRE_DUE, NEXT_DUE  # noqa: E402
 
 QUEUE = "calls"
@@ -64,13 +63,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--compare", type=Path, help="another checkout measured in the same run")
     args = ap.parse_args()
-    here = Path(__file__).resolve().parents[1]
-    cluster = Cluster(fsync="on")
-    cluster.start()
-    try:
-        targets = {"this": build_db(cluster, "calls_this", here)}
-        if args.compare:
-            targets["compare"] = build_db(cluster, "calls_compare", args.compare.resolve())
+    with checkouts("calls", args.compare, setup=False) as (_, targets, _):
         p50s: dict[tuple[str, str], list[float]] = {}
         for r in range(args.rounds):
             for name, url in targets.items():
@@ -84,8 +77,6 @@ def main() -> None:
             log(f"{name:8s} median of rounds, p50 ms: "
                 + ", ".join(f"{stmt} {statistics.median(p50s[(name, stmt)]):.3f}" for stmt in STATEMENTS)
                 + f"; a cycle {sum(statistics.median(p50s[(name, stmt)]) for stmt in STATEMENTS):.3f}")
-    finally:
-        cluster.destroy()
 
 
 if __name__ == "__main__":

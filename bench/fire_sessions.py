@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import subprocess
 import sys
 import threading
 import time
@@ -24,18 +23,9 @@ from pathlib import Path
 import psycopg
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import Cluster, log  # noqa: E402
+from harness import checkouts, log  # noqa: E402
 
 QUEUE = "scale"
-
-
-def build_db(cluster: Cluster, name: str, root: Path) -> str:
-    with psycopg.connect(cluster.admin, autocommit=True) as conn:
-        conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-        conn.execute(f'CREATE DATABASE "{name}"')
-    url = psycopg.conninfo.make_conninfo(cluster.admin, dbname=name)
-    subprocess.run([str(root / "scripts" / "install-schema"), url], check=True)
-    return url
 
 
 def load(url: str, n: int) -> None:
@@ -107,13 +97,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--compare", type=Path, help="another checkout (e.g. main) measured in the same run")
     args = ap.parse_args()
-    here = Path(__file__).resolve().parents[1]
-    cluster = Cluster(fsync="on")
-    cluster.start()
-    try:
-        targets = {"this": build_db(cluster, "scale_this", here)}
-        if args.compare:
-            targets["compare"] = build_db(cluster, "scale_compare", args.compare.resolve())
+    with checkouts("scale", args.compare, setup=False) as (_, targets, _):
         rates: dict[tuple[str, int], list[float]] = {}
         for r in range(args.rounds):
             for name, url in targets.items():
@@ -127,8 +111,6 @@ def main() -> None:
             one = statistics.median(rates[(name, 1)])
             two = statistics.median(rates[(name, 2)])
             log(f"{name:8s} median 1 session {one:8.0f}/s, 2 sessions {two:8.0f}/s, ratio 2/1 = {two / one:.2f}")
-    finally:
-        cluster.destroy()
 
 
 if __name__ == "__main__":

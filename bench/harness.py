@@ -14,8 +14,10 @@ import subprocess
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Iterator
 
 import httpx
 import psycopg
@@ -110,6 +112,39 @@ class Cluster:
     def server_version(self) -> str:
         with psycopg.connect(self.admin, autocommit=True) as conn:
             return conn.execute("SHOW server_version").fetchone()[0]
+
+
+def build_db(cluster: Cluster, name: str, root: Path) -> str:
+    """A new database `name` with the schema of the checkout at `root` (its own
+    scripts/install-schema and sql/)."""
+    with psycopg.connect(cluster.admin, autocommit=True) as conn:
+        conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        conn.execute(f'CREATE DATABASE "{name}"')
+    url = psycopg.conninfo.make_conninfo(cluster.admin, dbname=name)
+    subprocess.run([str(root / "scripts" / "install-schema"), url], check=True)
+    return url
+
+
+@contextmanager
+def checkouts(prefix: str, compare: Path | None, setup: bool = True) -> Iterator[tuple[Cluster, dict, dict]]:
+    """The before/after scripts' cluster (fsync on; Cluster.setup's settings unless
+    setup=False) and one database per checkout, each with that checkout's schema:
+    `this` (this one) and, given compare, `compare` (e.g. a worktree of the commit
+    before a change). Yields (cluster, {side: url}, {side: checkout root}); the
+    cluster is destroyed after."""
+    cluster = Cluster(fsync="on")
+    cluster.setup() if setup else cluster.start()
+    try:
+        roots = {"this": ROOT, **({"compare": compare.resolve()} if compare else {})}
+        yield cluster, {side: build_db(cluster, f"{prefix}_{side}", root) for side, root in roots.items()}, roots
+    finally:
+        cluster.destroy()
+
+
+def rotated(names: list, r: int) -> list:
+    """names in round r's order: rotated by r, so that each side takes each place in turn."""
+    k = r % len(names)
+    return names[k:] + names[:k]
 
 
 @dataclass

@@ -24,8 +24,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from fire_sessions import build_db  # noqa: E402
-from harness import Cluster, connect, log, start_broker, wait_until  # noqa: E402
+from harness import checkouts, connect, log, rotated, start_broker, wait_until  # noqa: E402
 
 LATE_AFTER_MS = 100
 
@@ -92,18 +91,12 @@ def main() -> None:
     ap.add_argument("--per-tenant", type=int, default=100)
     ap.add_argument("--rounds", type=int, default=1)
     args = ap.parse_args()
-    here = Path(__file__).resolve().parents[1]
-    cluster = Cluster(fsync="on")
-    cluster.setup()
-    try:
-        roots = {"this": here, "compare": args.compare.resolve()}
-        sides = {name: build_db(cluster, f"many_{name}", root) for name, root in roots.items()}
+    with checkouts("many", args.compare) as (_, sides, roots):
         got: dict[str, list[tuple[float, float, int, float]]] = {k: [] for k in sides}
         log(f"== {args.tenants:,} tenants with {args.per_tenant:,} timers each due at T, tenant late's one "
             f"due {LATE_AFTER_MS} ms after T; one broker ==")
         for r in range(args.rounds):
-            names = list(sides)
-            for name in names[r % 2:] + names[:r % 2]:
+            for name in rotated(list(sides), r):
                 got[name].append(run(sides[name], roots[name], args.tenants, args.per_tenant))
                 secs, lag, folds, fold_ms = got[name][-1]
                 log(f"  round {r + 1} {name:8}: backlog fired in {secs:6.2f} s; late's timer fired {lag:9.1f} ms "
@@ -111,8 +104,6 @@ def main() -> None:
         for name, v in got.items():
             log(f"  median {name:8}: backlog {statistics.median(x[0] for x in v):6.2f} s; late's lag "
                 f"{statistics.median(x[1] for x in v):9.1f} ms; folds {statistics.median(x[3] for x in v) / 1000:5.2f} s")
-    finally:
-        cluster.destroy()
 
 
 if __name__ == "__main__":

@@ -26,8 +26,7 @@ from pathlib import Path
 import psycopg
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from fire_sessions import build_db  # noqa: E402
-from harness import Cluster, log, pct  # noqa: E402
+from harness import checkouts, log, pct, rotated  # noqa: E402
 
 QUEUE = "one-xid"
 CHUNK = 10_000  # push_messages' largest batch
@@ -73,12 +72,7 @@ def main() -> None:
     ap.add_argument("--pops", type=int, default=200)
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
-    here = Path(__file__).resolve().parents[1]
-    cluster = Cluster(fsync="on")
-    cluster.setup()
-    try:
-        roots = {"this": here, "compare": args.compare.resolve()}
-        sides = {name: build_db(cluster, f"pop_{name}", root) for name, root in roots.items()}
+    with checkouts("pop", args.compare) as (_, sides, _):
         log(f"== {args.frames:,} frames in one partition, pushed in one transaction; {args.pops} pops of 10 "
             f"(auto-ack) a round ==")
         for name, url in sides.items():
@@ -87,8 +81,7 @@ def main() -> None:
             log(f"  {name:8}: loaded in {time.perf_counter() - t:.1f} s")
         got: dict[str, list[tuple[float, float, float]]] = {k: [] for k in sides}
         for r in range(args.rounds):
-            names = list(sides)
-            for name in names[r % 2:] + names[:r % 2]:
+            for name in rotated(list(sides), r):
                 lat, reads = pops(sides[name], args.pops)
                 got[name].append((pct(lat, 50) * 1000, pct(lat, 99) * 1000, reads))
                 log(f"  round {r + 1} {name:8}: pop p50 {got[name][-1][0]:8.3f} ms  p99 {got[name][-1][1]:8.3f} ms  "
@@ -97,8 +90,6 @@ def main() -> None:
         for name, (p50, p99, reads) in med.items():
             log(f"  median {name:8}: pop p50 {p50:8.3f} ms  p99 {p99:8.3f} ms  index pages {reads:,.0f}")
         log(f"  ratio of p50s compare / this: {med['compare'][0] / med['this'][0]:.1f}x")
-    finally:
-        cluster.destroy()
 
 
 if __name__ == "__main__":

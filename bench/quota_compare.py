@@ -27,8 +27,7 @@ import psycopg
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
 import schedule as S  # noqa: E402
-from fire_sessions import build_db  # noqa: E402
-from harness import Cluster, connect, log  # noqa: E402
+from harness import checkouts, connect, log, rotated  # noqa: E402
 from queen_timers.routes_timers import SCHEDULE_SQL  # noqa: E402
 
 
@@ -67,18 +66,12 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--others", type=int, default=1000)
     args = ap.parse_args()
-    here = Path(__file__).resolve().parents[1]
     params = [S.broker_params(b) for b in S.batches(args.batches)]
-    cluster = Cluster(fsync="on")
-    cluster.setup()
-    try:
-        this = build_db(cluster, "quota_this", here)
-        other = build_db(cluster, "quota_compare", args.compare.resolve())
-        sides = {"this": (this, True), "compare": (other, True), "no quota": (this, False)}
+    with checkouts("quota", args.compare) as (_, dbs, _):
+        sides = {"this": (dbs["this"], True), "compare": (dbs["compare"], True), "no quota": (dbs["this"], False)}
         got: dict[str, list[list[float]]] = {k: [] for k in sides}
         for r in range(args.rounds):
-            names = list(sides)
-            for name in names[r % 3:] + names[:r % 3]:
+            for name in rotated(list(sides), r):
                 url, quota = sides[name]
                 prepare(url, quota, args.others)
                 got[name].append(run(url, params, args.chunk))
@@ -95,8 +88,6 @@ def main() -> None:
             log(f"{name}: last chunk / first chunk {m[-1] / m[0]:.2f}")
         log(f"last chunk: this / compare {med['this'][-1] / med['compare'][-1]:.3f}, "
             f"this / no quota {med['this'][-1] / med['no quota'][-1]:.3f}")
-    finally:
-        cluster.destroy()
 
 
 if __name__ == "__main__":

@@ -23,8 +23,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
 import schedule as S  # noqa: E402
-from fire_sessions import build_db  # noqa: E402
-from harness import Cluster, connect, log  # noqa: E402
+from harness import checkouts, connect, log, rotated  # noqa: E402
 from queen_timers.routes_timers import SCHEDULE_SQL  # noqa: E402
 
 
@@ -52,23 +51,17 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--clients", default="1,4")
     args = ap.parse_args()
-    here = Path(__file__).resolve().parents[1]
     ops = S.batches(args.batches)
     broker = [S.broker_params(b) for b in ops]
     bare = [S.bare_params(b) for b in ops]
-    cluster = Cluster(fsync="on")
-    cluster.setup()
-    try:
-        dbs = {"this": build_db(cluster, "sched_this", here),
-               "compare": build_db(cluster, "sched_compare", args.compare.resolve())}
+    with checkouts("sched", args.compare) as (_, dbs, _):
         sides = {"this": (dbs["this"], SCHEDULE_SQL, broker), "compare": (dbs["compare"], SCHEDULE_SQL, broker),
                  "bare": (dbs["this"], S.BARE_SQL, bare)}
         for case in ("new", "again"):
             for clients in (int(c) for c in args.clients.split(",")):
                 got: dict[str, list[float]] = {k: [] for k in sides}
                 for r in range(args.rounds):
-                    names = list(sides)
-                    for name in names[r % 3:] + names[:r % 3]:
+                    for name in rotated(list(sides), r):
                         url, sql, params = sides[name]
                         got[name].append(run(url, sql, params, clients, again=case == "again",
                                              n=args.batches * S.BATCH))
@@ -78,8 +71,6 @@ def main() -> None:
                 log(f"{case} {clients} client(s), medians: " + ", ".join(f"{k} {v:,.0f}/s" for k, v in med.items())
                     + f"; this / compare {med['this'] / med['compare']:.3f}, this / bare {med['this'] / med['bare']:.3f},"
                     f" compare / bare {med['compare'] / med['bare']:.3f}")
-    finally:
-        cluster.destroy()
 
 
 if __name__ == "__main__":
