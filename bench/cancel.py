@@ -210,9 +210,10 @@ class RawHttp:
 class BlockingHttp:
     """One keep-alive HTTP/1.1 connection on a blocking socket: the client of the
     one-client DELETE figures, as lean as the SQL side's (one blocking libpq
-    connection). RawHttp's asyncio streams put 30-40 us of the client's own Python
-    on every request's path (p50 0.229 against 0.192 ms on one broker, 9 rounds
-    alternating, Dec 6), which the DELETE's ratio to SQL charged to the broker."""
+    connection), so that the DELETE's ratio to SQL charges the broker with none of
+    the client's own event loop. RawHttp's asyncio streams cost up to 37 us of p50
+    in an A/B (0.229 against 0.192 ms, 9 rounds, Dec 6) and 5 us in make bench run
+    15, which prints both."""
 
     def __init__(self, host: str, port: int):
         self.sock = socket.create_connection((host, port))

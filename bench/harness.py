@@ -133,7 +133,10 @@ def checkouts(prefix: str, compare: Path | None, setup: bool = True) -> Iterator
     before a change). Yields (cluster, {side: url}, {side: checkout root}); the
     cluster is destroyed after."""
     cluster = Cluster(fsync="on")
-    cluster.setup() if setup else cluster.start()
+    if setup:
+        cluster.setup()
+    else:
+        cluster.start()
     try:
         roots = {"this": ROOT, **({"compare": compare.resolve()} if compare else {})}
         yield cluster, {side: build_db(cluster, f"{prefix}_{side}", root) for side, root in roots.items()}, roots
