@@ -55,7 +55,7 @@ SELECT cmp_ok(pg_temp.step('pop 2'), '<', 30::bigint, 'the next pop a few too');
 SELECT results_eq('SELECT transaction_id FROM p2 ORDER BY seq',
                   ARRAY['m11', 'm12', 'm13', 'm14', 'm15', 'm16', 'm17', 'm18', 'm19', 'm20'], 'and hands out the next ten');
 
--- an ack of a frame that is not there, and of another tenant's partition, finds nothing
+-- an ack of a frame that is not there finds nothing (the lookup with LIMIT yields no row)
 SELECT is((SELECT array_agg(error ORDER BY 1) FROM queen.ack_messages('acme', ARRAY[
               ROW('no-such-txn', (SELECT partition_id FROM p1 LIMIT 1), 'completed', NULL, NULL, NULL)::queen.ack_item])),
           ARRAY['Message not found'], 'an ack of a transaction id the partition does not hold: Message not found');
