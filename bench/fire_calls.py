@@ -30,6 +30,7 @@ from queen_timers.sweeper import CLAIM, FIRE_DUE, NEXT_DUE  # noqa: E402
 
 QUEUE = "calls"
 STATEMENTS = ("fire", "claim", "next")
+WARMUP = 100  # the first calls plan and warm caches: not counted
 
 
 def measure(url: str, calls: int, due: int) -> dict[str, list[float]]:
@@ -53,7 +54,7 @@ def measure(url: str, calls: int, due: int) -> dict[str, list[float]]:
             assert fired[1] == due, fired  # (turn, n, fired, ...): the lag summary of sweeper.FIRE_DUE
             for name, seconds in zip(STATEMENTS, (t1 - t0, t2 - t1, t3 - t2)):
                 took[name].append(seconds * 1000)
-        return {name: v[100:] for name, v in took.items()}  # the first calls plan and warm caches
+        return {name: v[WARMUP:] for name, v in took.items()}
 
 
 def main() -> None:
@@ -63,6 +64,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--compare", type=Path, help="another checkout measured in the same run")
     args = ap.parse_args()
+    if args.calls <= WARMUP:
+        ap.error(f"--calls must be more than the {WARMUP} warm-up calls, which are not counted")
     with checkouts("calls", args.compare, setup=False) as (_, targets, _):
         p50s: dict[tuple[str, str], list[float]] = {}
         for r in range(args.rounds):

@@ -220,7 +220,7 @@ def main() -> int:
         broker = start_broker(url, name="peers")
         admin = connect(url)
         client = connect(url)
-        log(f"  queen: broker defaults (QUEEN_SWEEPER_MIN_SLEEP_MS=10, MAX_SLEEP_MS=1000)")
+        log("  queen: broker defaults (QUEEN_SWEEPER_MIN_SLEEP_MS=10, MAX_SLEEP_MS=1000)")
 
         def record(measure, label, out):
             figures.setdefault(measure, {}).setdefault(label, []).append(out)

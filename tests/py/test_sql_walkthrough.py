@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import re
 import subprocess
-from pathlib import Path
 
 import psycopg
 import pytest
