@@ -37,7 +37,7 @@ from . import convertors, db, payloads  # noqa: F401 (convertors: registers {x:a
 from .auth import READ_ONLY, READ_WRITE, WRITE_ONLY
 from .bodies import (PAYLOAD_CEILING_BYTES, SMALL_BODY_BYTES, TENANT_KEY, read_json, values_bound, weigh_answer,
                      weigh_fetched)
-from .errors import ApiError, bad_request, from_exception, query_param
+from .errors import ApiError, bad_request, from_exception, query_int, query_param
 from .limits import INT32_MAX, INT32_MIN, MAX_PARTITION_BYTES, MAX_QUEUE_BYTES, MAX_TIMER_KEY_BYTES, MAX_TXN_BYTES, check_name
 from .openapi import openapi_endpoint
 
@@ -823,15 +823,9 @@ async def _list(request: Request, principal, queue: str) -> JSONResponse:
     after = query_param(request.query_params, "after")
     if after is not None:
         check_name("after", after, "")
-    raw_limit = query_param(request.query_params, "limit")
-    limit = 100
-    if raw_limit is not None and raw_limit != "":
-        try:
-            limit = int(raw_limit.strip(), 10)
-        except ValueError:
-            raise bad_request("limit must be an integer") from None
-        # queen.list_timers clamps to 1..1000; only keep the value an integer
-        limit = max(INT32_MIN, min(INT32_MAX, limit))
+    limit = query_int(request.query_params, "limit")
+    # queen.list_timers clamps to 1..1000; only keep the value an integer
+    limit = 100 if limit is None else max(INT32_MIN, min(INT32_MAX, limit))
 
     async def work(conn):
         cur = await conn.execute("SELECT * FROM queen.list_timers(%s, %s, %s, %s::integer)",
