@@ -678,14 +678,21 @@ def _route_statement(batch: list[dict] | FastBatch, principal, settings, upserts
 
 
 async def schedule(request: Request) -> Response:
-    principal = request.app.state.auth.require(request, WRITE_ONLY)
     settings = request.app.state.settings
     max_ops = settings.timers_max_ops
-    body = await read_json(request, unicode=True, timers=True, member="operations", member_cap=max_ops,
-                           member_refusal=lambda cap: f"more than {cap} operations; at most {cap} per call",
-                           on_item=_decode_early, kept_cap=SMALL_BODY_BYTES, item_cap=OP_TEXT_CAP,
-                           fast=lambda raw, max_values: _fast_batch(
-                               raw, max_values, max_ops=max_ops, stage_bytes=settings.timers_stage_bytes))
+    try:
+        principal = request.app.state.auth.require(request, WRITE_ONLY)
+        body = await read_json(request, unicode=True, timers=True, member="operations", member_cap=max_ops,
+                               member_refusal=lambda cap: f"more than {cap} operations; at most {cap} per call",
+                               on_item=_decode_early, kept_cap=SMALL_BODY_BYTES, item_cap=OP_TEXT_CAP,
+                               fast=lambda raw, max_values: _fast_batch(
+                                   raw, max_values, max_ops=max_ops, stage_bytes=settings.timers_stage_bytes))
+    except ApiError as exc:
+        # the broker's own bounds (the tenant's share of requests, the body budget): every
+        # 503 of this route names the cancel route, as the database's do (_run_on)
+        if exc.status == 503:
+            _add_hint(exc)
+        raise
     if isinstance(body, FastBatch):
         batch: list[dict] | FastBatch = body
         upserts = body.upserts

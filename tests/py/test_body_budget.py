@@ -22,7 +22,7 @@ import pytest
 
 from test_input_limits import NOTHING, assert_json_error, assert_still_healthy, read_response, written
 from test_log_api import ack, pop, push
-from timers_util import b64, op, post, token
+from timers_util import HINT, b64, op, post, token
 
 MAX_OPS = 8
 MiB = 1 << 20
@@ -165,6 +165,7 @@ def test_the_budget_answers_503_with_retry_after_and_is_released_however_a_reque
             r = post(c, op("schedule", "waits"))
             body = assert_json_error(r, 503, "timers_unavailable")
             assert r.headers["retry-after"] == "1" and "QUEEN_BODY_BUDGET_BYTES" in body["detail"], r.headers
+            assert r.headers["x-queen-timers-hint"] == HINT  # the route the hint names has no body:
             # a request without a body is not held up
             assert c.delete("/api/v1/timers/reminders/nothing").json()["status"] == "absent"
             text = c.get("/metrics/prometheus").text

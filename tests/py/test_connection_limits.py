@@ -35,7 +35,7 @@ import pytest
 from test_body_budget import budget_in_use, open_post, wait_budget_free
 from test_direct_lane import held, lock_waiters
 from test_input_limits import assert_json_error, read_response
-from timers_util import JWT_SECRET, op, token
+from timers_util import HINT, JWT_SECRET, op, token
 
 PATH = "/api/v1/timers/reminders"
 
@@ -160,7 +160,13 @@ def test_one_tenant_holds_at_most_its_share_of_the_requests_in_progress(spawn_br
             r = c.get(PATH, headers=acme)  # acme's fourth request in progress
             err = assert_json_error(r, 503, "timers_unavailable")
             assert r.headers["retry-after"] == "1" and "QUEEN_TENANT_MAX_REQUESTS" in err["detail"]
-            assert_json_error(c.delete(f"{PATH}/k1", headers=acme), 503, "timers_unavailable")  # direct lane
+            assert "x-queen-timers-hint" not in r.headers  # a GET: the hint is the POST's alone
+            r = c.post("/api/v1/timers", headers=acme, json={"operations": [op("schedule", "a2")]})
+            assert_json_error(r, 503, "timers_unavailable")
+            assert r.headers["x-queen-timers-hint"] == HINT  # every 503 of the POST names the cancel route
+            r = c.delete(f"{PATH}/k1", headers=acme)  # the direct lane
+            assert_json_error(r, 503, "timers_unavailable")
+            assert "x-queen-timers-hint" not in r.headers
             # another tenant is served meanwhile, reads and writes
             assert c.get(PATH, headers=globex).json()["rows"] == []
             r = c.post("/api/v1/timers", headers=globex, json={"operations": [op("schedule", "g1")]})
