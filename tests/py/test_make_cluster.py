@@ -95,6 +95,17 @@ def test_start_refuses_when_its_cluster_runs_on_another_port(other_cluster):
     assert f"QUEEN_PG_PORT={port}" in proc.stderr
 
 
+def test_the_cluster_runs_as_postgres_when_started_by_root(other_cluster):
+    # initdb and postgres refuse root: scripts/pg-cluster runs them as the `postgres` system
+    # user then (README), and as the caller otherwise
+    folder, _ = other_cluster
+    pid = int((folder / "data" / "postmaster.pid").read_text().split()[0])
+    status = Path(f"/proc/{pid}/status").read_text()
+    uid = int(next(line for line in status.splitlines() if line.startswith("Uid:")).split()[1])
+    assert uid == (pwd.getpwnam("postgres").pw_uid if os.geteuid() == 0 else os.geteuid())
+    assert (folder / "data").stat().st_uid == uid  # the data directory is the server's
+
+
 def test_make_psql_of_the_checkout_that_owns_the_cluster_names_it(other_checkout):
     checkout, port = other_checkout
     proc = run(["make", "-s", "psql"], cwd=checkout, stdin="SELECT current_database();\n", QUEEN_PG_PORT=port)
@@ -134,13 +145,3 @@ def test_make_stop_db_in_the_owning_checkout_stops_its_cluster(other_checkout):
     with pytest.raises(psycopg.OperationalError):
         psycopg.connect(f"postgresql://postgres@127.0.0.1:{port}/postgres", connect_timeout=5)
 
-
-def test_the_cluster_runs_as_postgres_when_started_by_root(other_cluster):
-    # initdb and postgres refuse root: scripts/pg-cluster runs them as the `postgres` system
-    # user then (README), and as the caller otherwise
-    folder, _ = other_cluster
-    pid = int((folder / "data" / "postmaster.pid").read_text().split()[0])
-    status = Path(f"/proc/{pid}/status").read_text()
-    uid = int(next(line for line in status.splitlines() if line.startswith("Uid:")).split()[1])
-    assert uid == (pwd.getpwnam("postgres").pw_uid if os.geteuid() == 0 else os.geteuid())
-    assert (folder / "data").stat().st_uid == uid  # the data directory is the server's
