@@ -20,7 +20,7 @@ from starlette.requests import Request
 from . import turns
 from .bodies import TENANT_KEY, RequestSlots
 from .config import Settings
-from .errors import ApiError
+from .errors import ApiError, text_problem
 
 READ_ONLY = "read-only"
 WRITE_ONLY = "write-only"
@@ -106,6 +106,10 @@ class Authenticator:
             if not isinstance(value, str) or value == "":
                 raise ApiError(401, "unauthorized",
                                f"the token's {name} claim is required and must be a non-empty string")
+            # libpq reads a text parameter up to its first NUL: "acme\0x" would act as "acme"
+            problem = text_problem(value)
+            if problem:
+                raise ApiError(401, "unauthorized", f"the token's {name} claim {problem}")
         role = claims["role"]
         if role not in GRANTS:
             raise ApiError(401, "unauthorized",

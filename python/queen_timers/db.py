@@ -206,7 +206,10 @@ def _wire(value: object, fmt: int) -> bytes | None:
         raise TypeError(f"a binary parameter must be a BinaryArray, not {type(value).__name__}")
     if value is True or value is False:
         return b"t" if value else b"f"
-    return str(value).encode()  # str, int, uuid
+    data = str(value).encode()  # str, int, uuid
+    if b"\0" in data:  # libpq would send the text up to it, silently: refuse, as psycopg does
+        raise psycopg.DataError("PostgreSQL text fields cannot contain NUL (0x00) bytes")
+    return data
 
 
 class _Wire:

@@ -113,6 +113,18 @@ def test_a_binary_placeholder_takes_only_a_binary_array(database_url):
     assert run(database_url, body) == ("2",)  # nothing was sent: the connection is usable
 
 
+def test_a_text_with_a_nul_is_refused_never_cut_short(database_url):
+    # libpq sends a text parameter up to its first NUL: "acme\0evil" would arrive as "acme"
+    s = db.Statement("SELECT %(t)s::text")
+
+    async def body(conn):
+        with pytest.raises(psycopg.DataError, match="NUL"):
+            await db.fetch_row(conn, s, {"t": "acme\x00evil"})
+        return await db.fetch_row(conn, s, {"t": "acme"})
+
+    assert run(database_url, body) == ("acme",)  # nothing was sent: the connection is usable
+
+
 def test_a_parameter_larger_than_the_socket_buffer(database_url):
     s = db.Statement("SELECT octet_length(%(x)s::text), md5(%(x)s::text)")
     big = "0123456789abcdef" * (1 << 20)  # 16 MiB: libpq flushes it over many writes

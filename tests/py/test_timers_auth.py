@@ -152,6 +152,27 @@ def test_a_missing_empty_or_non_string_sub_is_401(jwt_client, db, sub):
     assert_refused_401(jwt_client, db, bearer(sub=sub), "")
 
 
+@pytest.mark.parametrize("claim", ["tenant", "sub"])
+@pytest.mark.parametrize("value", ["acme\x00evil", "\ud800"])
+def test_a_claim_postgresql_text_cannot_hold_is_401(jwt_client, db, claim, value):
+    """A NUL would end the text libpq sends ("acme\0evil" acting as tenant acme, or a
+    forged producerSub); a lone surrogate is not UTF-8. A signed token is no reason to
+    let either reach the database: 401 on every route, before anything runs."""
+    post(jwt_client, op("schedule", "k"), headers=token("write-only", tenant="acme"))
+    headers = token("admin", **{claim: value})
+    answers = {**calls(jwt_client, headers),  # POST schedules k, DELETE cancels it
+               "POP": jwt_client.get("/api/v1/pop/queue/reminders", headers=headers),
+               "PUSH": jwt_client.post("/api/v1/push", headers=headers,
+                                       json={"items": [{"queue": "reminders", "payload": {"a": 1}}]})}
+    for name, r in answers.items():
+        body = assert_error(r, 401, "unauthorized")
+        assert f"{claim} claim" in body["detail"], (name, body)
+    # acme's timer is untouched: still there, still acme's and its producer's
+    assert [(r["tenant"], r["timer_key"], r["producer_sub"]) for r in rows(db)] == [
+        ("acme", "k", "billing-service")]
+    assert db.execute("SELECT count(*) AS n FROM queen.messages").fetchone()["n"] == 0
+
+
 def test_a_token_without_exp_is_401(jwt_client, db):
     assert_refused_401(jwt_client, db, bearer(exp=...), "exp")
 
