@@ -103,6 +103,8 @@ def decrypt(key: bytes, envelope_bytes: bytes) -> bytes:
         return AESGCM(key).decrypt(iv[:12], ct, None)
     except InvalidTag:
         raise PayloadError("envelope does not open with this key") from None
+    except ValueError as exc:  # a nonce under 8 bytes (an empty "iv"): no envelope this key can open
+        raise PayloadError(f"bad encryption envelope: {exc}") from None
 
 
 def json_data_fragment(data: bytes) -> object:

@@ -291,6 +291,33 @@ def test_a_deep_payload_flagged_encrypted_pops_as_stored_not_a_500(broker_factor
     assert popped["payloadBase64"] == b64(DEEP)
 
 
+@pytest.mark.parametrize("envelope", [
+    b'{"encrypted":"","iv":"","authTag":""}',  # no nonce: AESGCM's ValueError, not InvalidTag
+    b'{"encrypted":"AAAA","iv":"AAAAAAA=","authTag":"AAAA"}',  # a 5-byte nonce
+    b'{"encrypted":"","iv":"AAAAAAAAAAAAAAAA","authTag":""}',  # no tag
+    b'{"encrypted":1,"iv":[],"authTag":null}',
+])
+def test_an_envelope_that_cannot_open_pops_and_reads_as_stored_not_a_500(broker_factory, db, envelope):
+    """A client may flag any bytes `encrypted` on a queue that does not encrypt: with a key
+    loaded, the broker tries them as an envelope. One that cannot open is handed out as
+    stored, by pop (with autoAck: a 500 there lost the message) and by message lookup."""
+    b = broker_factory(QUEEN_ENCRYPTION_KEY="11" * 32)
+    with b.client() as c:
+        r = post(c, op("schedule", "fake", queue="fake-env", delayMs=-1000, payload=b64(envelope),
+                       txn="t-fake", encrypted=True))
+        assert r.status_code == 200, r.text
+        deadline = time.monotonic() + 30
+        while (p := c.get("/api/v1/pop/queue/fake-env", params={"autoAck": "true"})).status_code == 204:
+            assert time.monotonic() < deadline, "the timer did not fire"
+            time.sleep(0.1)
+        assert p.status_code == 200, p.text
+        [popped] = p.json()["messages"]
+        assert popped["payloadBase64"] == b64(envelope)
+        m = c.get(f"/api/v1/messages/{popped['partitionId']}/t-fake")
+        assert m.status_code == 200, m.text
+        assert m.json()["payloadBase64"] == b64(envelope)
+
+
 # ---------------------------------------------------------------------------
 # unknown routes, wrong methods, unexpected errors: JSON too
 # ---------------------------------------------------------------------------
