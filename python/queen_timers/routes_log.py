@@ -654,6 +654,11 @@ routes = [
     Route("/api/v1/transaction", transaction, methods=["POST"]),
     Route("/api/v1/lease/{leaseId}/extend", extend_lease, methods=["POST"]),
 ]
+# Starlette answers HEAD on every GET route by running it: a pop's HEAD would take a lease,
+# or with autoAck consume messages, and answer none of them. A pop is no safe method: 405.
+for _route in routes:
+    if _route.endpoint is pop:
+        _route.methods.discard("HEAD")
 
 
 # ---------------------------------------------------------------------------

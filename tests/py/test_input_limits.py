@@ -329,6 +329,19 @@ def test_an_unknown_route_is_a_json_404(client, db):
         assert path in body["detail"]
 
 
+def test_head_on_pop_is_405_and_takes_nothing(client, db):
+    """Starlette serves HEAD on a GET route by running it: on a pop that took a lease
+    (with autoAck, consumed the messages) and answered none of them."""
+    assert client.post("/api/v1/push", json={"items": [{"queue": "headq", "payload": {"n": 1}}]}).status_code == 201
+    for path in ("/api/v1/pop/queue/headq?autoAck=true", "/api/v1/pop/queue/headq/partition/Default?autoAck=true",
+                 "/api/v1/pop/queue/headq"):
+        r = client.head(path)
+        assert r.status_code == 405 and r.headers["allow"] == "GET", (path, r.status_code, r.headers)
+    [m] = client.get("/api/v1/pop/queue/headq").json()["messages"]  # still there, and no lease held it
+    assert m["data"] == {"n": 1}
+    assert client.head("/api/v1/timers/reminders/k").status_code == 200  # a read: HEAD as GET
+
+
 def test_a_wrong_method_is_a_json_405_with_allow(client, db):
     for method, path in [("POST", "/health"), ("PUT", "/api/v1/timers"), ("PATCH", "/api/v1/timers/q/k"),
                          ("GET", "/api/v1/push")]:
