@@ -259,6 +259,10 @@ def create_app(settings: Settings | None = None) -> Starlette:
         middleware=[Middleware(BodyBudgetRelease), Middleware(UnexpectedErrors)],
         lifespan=lifespan,
     )
+    # Starlette answers a path that matches only with or without its trailing slash with a
+    # 307 to the other, empty-bodied, before any auth, its Location built from the client's
+    # Host header: an unknown path is a JSON 404 here like any other
+    app.router.redirect_slashes = False
     app.hot = HotRoutes([(routes_timers.SCHEDULE_ROUTE, "POST"), (routes_timers.KEY_ROUTE, "DELETE")],
                         answers={routes_timers.KEY_ROUTE.endpoint: routes_timers.cancel_answer})
     app.hot.on_direct = sweeper.metrics.http_direct.inc

@@ -52,6 +52,7 @@ async def asset(request: Request) -> Response:
 
 routes = [
     Route("/dashboard", page, methods=["GET"]),
+    Route("/dashboard/", page, methods=["GET"]),  # no redirect (app.py): the page at both, its assets by absolute path
     Route("/dashboard/{asset}", asset, methods=["GET"]),
 ]
 
@@ -65,6 +66,10 @@ OPENAPI_PATHS: dict = {
         "description": "Static; it holds no data. Its script reads GET /api/v1/system/timers/stats, "
                        "GET /api/v1/dlq, GET /metrics/prometheus and the admin switches with the "
                        "token typed into it (kept in sessionStorage, sent as Authorization: Bearer).",
+        "responses": {"200": {"description": "the page", **_FILE}}}},
+    "/dashboard/": {"get": {
+        "summary": "The operator dashboard (HTML), as at /dashboard", "tags": ["system"], "security": [],
+        "x-access-level": "public",
         "responses": {"200": {"description": "the page", **_FILE}}}},
     "/dashboard/{asset}": {"get": {
         "summary": "The dashboard's script and stylesheet", "tags": ["system"], "security": [],

@@ -342,6 +342,19 @@ def test_head_on_pop_is_405_and_takes_nothing(client, db):
     assert client.head("/api/v1/timers/reminders/k").status_code == 200  # a read: HEAD as GET
 
 
+def test_a_trailing_slash_is_a_json_404_never_a_redirect(client, db):
+    """Starlette's 307 to the path without (or with) the slash had no body, came before
+    auth, and built its Location from the client's Host header."""
+    for method, path in [("GET", "/api/v1/timers/"), ("GET", "/api/v1/dlq/"), ("POST", "/api/v1/push/"),
+                         ("GET", "/health/"), ("POST", "/api/v1/timers/"), ("GET", "/metrics/prometheus/")]:
+        r = client.request(method, path, headers={"Host": "evil.example"})
+        body = assert_json_error(r, 404, "not_found")
+        assert "location" not in r.headers and path in body["detail"], (path, r.headers)
+    for path in ("/dashboard", "/dashboard/"):  # the page at both
+        r = client.get(path)
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/html"), path
+
+
 def test_a_wrong_method_is_a_json_405_with_allow(client, db):
     for method, path in [("POST", "/health"), ("PUT", "/api/v1/timers"), ("PATCH", "/api/v1/timers/q/k"),
                          ("GET", "/api/v1/push")]:
