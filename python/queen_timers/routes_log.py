@@ -28,6 +28,7 @@ from starlette.routing import Route
 from . import convertors, db, payloads  # noqa: F401 (convertors: registers {x:anypath})
 from .auth import READ_ONLY, READ_WRITE
 from .bodies import PAYLOAD_CEILING_BYTES, TENANT_KEY, read_json, weigh_answer, weigh_fetched
+from .convertors import RawRoute, path_param
 from .errors import ApiError, bad_request, check_json_unicode, check_text, from_exception, query_int, query_param
 from .limits import INT32_MAX, check_name
 
@@ -283,8 +284,9 @@ async def push(request: Request) -> JSONResponse:
 async def pop(request: Request) -> Response:
     principal = request.app.state.auth.require(request, READ_WRITE)
     settings = request.app.state.settings
-    queue = _no_nul("queue", request.path_params["queue"])
-    partition = _no_nul("partition", request.path_params.get("partition"))
+    queue = _no_nul("queue", path_param(request.scope, "queue"))
+    partition = _no_nul("partition", path_param(request.scope, "partition")
+                        if "partition" in request.path_params else None)
     check_name("queue", queue)
     if partition is not None:
         check_name("partition", partition)
@@ -417,18 +419,19 @@ async def ack_batch(request: Request) -> JSONResponse:
 async def get_message(request: Request) -> JSONResponse:
     principal = request.app.state.auth.require(request, READ_ONLY)
     settings = request.app.state.settings
+    transaction_id = path_param(request.scope, "transactionId")
     try:
-        partition_id = uuid.UUID(request.path_params["partitionId"])
+        partition_id = uuid.UUID(path_param(request.scope, "partitionId"))
     except ValueError:
         return JSONResponse({"error": "Message not found"}, status_code=404)
-    check_name("transactionId", request.path_params["transactionId"])
+    check_name("transactionId", transaction_id)
     # the answer holds the payload three times (payload, data, payloadBase64): weighed
     # as a pop's before the fetch, at the largest a stored payload can be, then as fetched
     await weigh_answer(request, principal.tenant, _largest_payload(settings), 1)
     async with _conn(request) as conn:
         cur = await conn.execute("SELECT * FROM queen.get_message(%s, %s, %s)",
                                  (principal.tenant, partition_id,
-                                  _no_nul("transactionId", request.path_params["transactionId"])))
+                                  _no_nul("transactionId", transaction_id)))
         r = await cur.fetchone()
     weigh_fetched(request, 0 if r is None else len(r["payload"]), 0 if r is None else 1)
     if r is None:
@@ -500,7 +503,7 @@ async def list_dlq(request: Request) -> JSONResponse:
 async def replay_dlq(request: Request) -> JSONResponse:
     principal = request.app.state.auth.require(request, READ_WRITE)
     try:
-        dlq_id = uuid.UUID(request.path_params["id"])
+        dlq_id = uuid.UUID(path_param(request.scope, "id"))
     except ValueError:
         raise ApiError(404, "not_found", "no DLQ entry with that id (it is not a UUID)") from None
     async with _conn(request) as conn:
@@ -622,7 +625,7 @@ async def extend_lease(request: Request) -> JSONResponse:
     """Queen's POST /api/v1/lease/:leaseId/extend {seconds?: 60}: a one-element
     array {index, leaseId, success, error, expiresAt, newExpiresAt, renewed}."""
     principal = request.app.state.auth.require(request, READ_WRITE)
-    lease_id = _no_nul("leaseId", request.path_params["leaseId"])
+    lease_id = _no_nul("leaseId", path_param(request.scope, "leaseId"))
     body = await read_json(request, empty={})
     if not isinstance(body, dict):
         raise bad_request("the body must be a JSON object")
@@ -641,18 +644,21 @@ async def extend_lease(request: Request) -> JSONResponse:
                           "expiresAt": expires, "newExpiresAt": expires, "renewed": r["renewed"]}])
 
 
+# The routes with a name in the path are RawRoutes (convertors.py): matched on the raw
+# path, so `%2F` is a character of the name it is in (`/api/v1/pop/queue/team%2Fa` is
+# queue `team/a`) and a raw `/` separates segments, as the timer routes read theirs.
 routes = [
     Route("/api/v1/configure", configure, methods=["POST"]),
     Route("/api/v1/push", push, methods=["POST"]),
-    Route("/api/v1/pop/queue/{queue}", pop, methods=["GET"]),
-    Route("/api/v1/pop/queue/{queue}/partition/{partition}", pop, methods=["GET"]),
+    RawRoute("/api/v1/pop/queue/{queue}", pop, methods=["GET"]),
+    RawRoute("/api/v1/pop/queue/{queue}/partition/{partition}", pop, methods=["GET"]),
     Route("/api/v1/ack", ack, methods=["POST"]),
     Route("/api/v1/ack/batch", ack_batch, methods=["POST"]),
-    Route("/api/v1/messages/{partitionId}/{transactionId:anypath}", get_message, methods=["GET"]),
+    RawRoute("/api/v1/messages/{partitionId}/{transactionId:anypath}", get_message, methods=["GET"]),
     Route("/api/v1/dlq", list_dlq, methods=["GET"]),
-    Route("/api/v1/dlq/{id}/replay", replay_dlq, methods=["POST"]),
+    RawRoute("/api/v1/dlq/{id}/replay", replay_dlq, methods=["POST"]),
     Route("/api/v1/transaction", transaction, methods=["POST"]),
-    Route("/api/v1/lease/{leaseId}/extend", extend_lease, methods=["POST"]),
+    RawRoute("/api/v1/lease/{leaseId}/extend", extend_lease, methods=["POST"]),
 ]
 
 

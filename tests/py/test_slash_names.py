@@ -97,7 +97,9 @@ def test_a_raw_slash_separates_segments(client, db):
 
 def test_a_path_that_is_not_utf8_is_a_json_400(client, db):
     for method, path in (("GET", "/api/v1/timers/%FF"), ("GET", "/api/v1/timers/%FF/k"),
-                         ("DELETE", "/api/v1/timers/%FF/k"), ("DELETE", "/api/v1/timers/q/%C3")):
+                         ("DELETE", "/api/v1/timers/%FF/k"), ("DELETE", "/api/v1/timers/q/%C3"),
+                         ("GET", "/api/v1/pop/queue/%FF"), ("GET", "/api/v1/pop/queue/q/partition/%FF"),
+                         ("POST", "/api/v1/lease/%FF/extend")):
         body = assert_error(client.request(method, path), 400, "timers_bad_request")
         assert body["detail"] == "the path is not valid percent-encoded UTF-8"
 
@@ -113,3 +115,112 @@ def test_a_queue_with_a_slash_is_sent_encoded_by_the_direct_lane_and_the_stack_a
     _schedule(client, "/", "/")
     r = client.delete("/api/v1/timers/%2F/%2F", headers={"connection": "close"})
     assert r.status_code == 200 and r.json()["status"] == "cancelled", r.text
+
+
+# ---------------------------------------------------------------------------
+# the log surface
+# ---------------------------------------------------------------------------
+
+def _push(c, queue, txn, partition=None, headers=None) -> dict:
+    item = {"queue": queue, "transactionId": txn, "payload": {"txn": txn}}
+    if partition is not None:
+        item["partition"] = partition
+    r = c.post("/api/v1/push", json={"items": [item]}, headers=headers or {})
+    assert r.status_code == 201, r.text
+    assert r.json()[0]["status"] == "queued", r.text
+    return r.json()[0]
+
+
+def _pop(c, path, headers=None) -> list[dict]:
+    r = c.get(path, params={"batch": 10}, headers=headers or {})
+    assert r.status_code in (200, 204), r.text
+    return [] if r.status_code == 204 else r.json()["messages"]
+
+
+@pytest.mark.parametrize("queue", ["team/a", "/lead", "/"])
+def test_pop_reaches_a_queue_with_a_slash(client, db, queue):
+    _push(client, queue, "t1")
+    msgs = _pop(client, f"/api/v1/pop/queue/{enc(queue)}")
+    assert [(m["transactionId"], m["queue"]) for m in msgs] == [("t1", queue)]
+    assert _pop(client, f"/api/v1/pop/queue/{enc(queue)}") == []  # leased
+
+
+@pytest.mark.parametrize("queue,partition", [("q1", "p/1"), ("team/a", "/"), ("a/b", "x/y/z")])
+def test_pop_reaches_a_partition_with_a_slash(client, db, queue, partition):
+    _push(client, queue, "t1", partition=partition)
+    _push(client, queue, "t2", partition="Default")
+    msgs = _pop(client, f"/api/v1/pop/queue/{enc(queue)}/partition/{enc(partition)}")
+    assert [(m["transactionId"], m["partition"]) for m in msgs] == [("t1", partition)]
+    ack = client.post("/api/v1/ack", json={"transactionId": "t1", "partitionId": msgs[0]["partitionId"],
+                                           "leaseId": msgs[0]["leaseId"], "status": "completed"})
+    assert ack.status_code == 200 and ack.json()[0]["success"] is True, ack.text
+
+
+def test_a_raw_slash_in_a_pop_path_is_a_json_404(client, db):
+    """A raw `/` separates segments: `/api/v1/pop/queue/team/a` names no route."""
+    _push(client, "team/a", "t1")
+    for path in ("/api/v1/pop/queue/team/a", "/api/v1/pop/queue/q1/partition/p/1", "/api/v1/pop/queue//a"):
+        assert_error(client.get(path), 404, "not_found")
+    assert len(_pop(client, "/api/v1/pop/queue/team%2Fa")) == 1
+
+
+def test_message_lease_and_replay_routes_read_an_encoded_slash_as_part_of_the_name(client, db):
+    pushed = _push(client, "team/a", "/t/1", partition="p/1")
+    pid = pushed["partition_id"]
+    for path in (f"/api/v1/messages/{pid}/%2Ft%2F1", f"/api/v1/messages/{pid}//t/1"):
+        r = client.get(path)
+        assert r.status_code == 200, r.text
+        assert (r.json()["transactionId"], r.json()["queue"], r.json()["partition"]) == ("/t/1", "team/a", "p/1")
+    # a partitionId holding an encoded slash is one segment: no transactionId, no route
+    assert_error(client.get(f"/api/v1/messages/{pid}%2Ft"), 404, "not_found")
+    # a leaseId with a slash reaches the route: a lease that does not exist, not a missing route
+    r = client.post("/api/v1/lease/a%2Fb/extend", json={})
+    assert r.status_code == 200, r.text
+    assert r.json()[0]["leaseId"] == "a/b" and r.json()[0]["success"] is False
+    # a DLQ id with a slash is not a UUID: the route's own 404
+    body = assert_error(client.post("/api/v1/dlq/a%2Fb/replay"), 404, "not_found")
+    assert "not a UUID" in body["detail"]
+
+
+def test_a_timer_fired_into_a_queue_and_partition_with_slashes_is_popped(client, db):
+    r = post(client, op("schedule", "k/1", queue="team/a", partition="p/1", delayMs=0))
+    assert r.status_code == 200 and r.json()["results"][0]["status"] == "scheduled", r.text
+    deadline = time.monotonic() + 15
+    while True:
+        db.execute("SELECT * FROM queen.fire_due_timers(100)").fetchall()
+        msgs = _pop(client, "/api/v1/pop/queue/team%2Fa/partition/p%2F1")
+        if msgs:
+            break
+        assert time.monotonic() < deadline, "the fired timer's frame was never popped"
+        time.sleep(0.1)
+    assert [(m["transactionId"], m["queue"], m["partition"]) for m in msgs] == [("txn-k/1", "team/a", "p/1")]
+
+
+# ---------------------------------------------------------------------------
+# two tenants (QUEEN_AUTH=jwt): the routes read the caller's tenant's data only
+# ---------------------------------------------------------------------------
+
+A = token("read-write", tenant="acme", sub="svc-a")
+B = token("read-write", tenant="globex", sub="svc-b")
+
+
+def test_a_slash_name_is_read_in_the_callers_tenant_only(jwt_client, db):
+    c = jwt_client
+    _schedule(c, "/a", "k/1", headers=A)
+    # B sees nothing of A's timer, and cannot cancel it
+    assert _peek(c, "/a", "k/1", headers=B) == {"found": False}
+    assert _keys(c, "/a", headers=B) == []
+    r = c.delete(f"/api/v1/timers/{enc('/a')}/{enc('k/1')}", headers=B)
+    assert r.status_code == 200 and r.json()["status"] == "absent", r.text
+    assert _peek(c, "/a", "k/1", headers=A)["found"] is True
+    assert _keys(c, "/a", headers=A) == ["k/1"]
+    # the log: B's pop of the same names finds nothing; A's finds A's message
+    _push(c, "team/a", "t-a", partition="p/1", headers=A)
+    assert _pop(c, "/api/v1/pop/queue/team%2Fa/partition/p%2F1", headers=B) == []
+    assert _pop(c, "/api/v1/pop/queue/team%2Fa", headers=B) == []
+    msgs = _pop(c, "/api/v1/pop/queue/team%2Fa/partition/p%2F1", headers=A)
+    assert [(m["transactionId"], m["partition"]) for m in msgs] == [("t-a", "p/1")]
+    # and A's DELETE cancels A's timer
+    r = c.delete(f"/api/v1/timers/{enc('/a')}/{enc('k/1')}", headers=A)
+    assert r.status_code == 200 and r.json()["status"] == "cancelled", r.text
+    assert db.execute("SELECT count(*) AS n FROM queen.timers").fetchone()["n"] == 0
