@@ -694,6 +694,9 @@ def _q(name: str, schema: dict, description: str) -> dict:
     return {"name": name, "in": "query", "required": False, "schema": schema, "description": description}
 
 
+ENCODED = "{}, percent-encoded: a '/' in it is `%2F` (a raw '/' ends the segment)"
+
+
 def _p(name: str, description: str) -> dict:
     return {"name": name, "in": "path", "required": True, "schema": {"type": "string"}, "description": description}
 
@@ -728,9 +731,9 @@ OPENAPI_PATHS: dict = {
                                    {"type": "array", "items": _ref("PushResult")}),
                       **_BAD, **_AUTH, **_UNAVAILABLE}}},
     "/api/v1/pop/queue/{queue}": {"get": {
-        **_POP, "parameters": [_p("queue", "queue name"), *_POP_PARAMS]}},
+        **_POP, "parameters": [_p("queue", ENCODED.format("queue name")), *_POP_PARAMS]}},
     "/api/v1/pop/queue/{queue}/partition/{partition}": {"get": {
-        **_POP, "parameters": [_p("queue", "queue name"), _p("partition", "partition name"), *_POP_PARAMS]}},
+        **_POP, "parameters": [_p("queue", ENCODED.format("queue name")), _p("partition", ENCODED.format("partition name")), *_POP_PARAMS]}},
     "/api/v1/ack": {"post": {
         "summary": "Acknowledge one message (completed, failed, dlq or retry)",
         "requestBody": {"required": True, "content": {"application/json": {"schema": _ref("Ack")}}},
@@ -747,7 +750,7 @@ OPENAPI_PATHS: dict = {
                       **_BAD, **_AUTH, **_UNAVAILABLE}}},
     "/api/v1/messages/{partitionId}/{transactionId}": {"get": {
         "summary": "One message by partition id and transaction id, with its derived status",
-        "parameters": [_p("partitionId", "partition UUID"), _p("transactionId", "transaction id")],
+        "parameters": [_p("partitionId", "partition UUID"), _p("transactionId", "transaction id: the rest of the path, a '/' in it raw or percent-encoded")],
         "responses": {"200": _json("the message", _ref("MessageDetail")),
                       "404": _json("no such message", {"type": "object", "properties": {
                           "error": {"const": "Message not found"}}}),
