@@ -18,6 +18,7 @@ from . import __version__, routes_dashboard, routes_log, routes_ops, routes_time
 from .auth import Authenticator
 from .bodies import BodyBudget, BodyBudgetRelease, release_body, tune_malloc
 from .config import Settings
+from .convertors import RawRoute, raw_route_path
 from .db import make_pool
 from .errors import ApiError, from_exception
 from .retention import Retention
@@ -52,11 +53,14 @@ HTTP_SLUGS = {404: "not_found", 405: "method_not_allowed"}
 async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
     """Starlette's own refusals (no such route, wrong method) in the documented shape."""
     slug = HTTP_SLUGS.get(exc.status_code, "http_error")
+    # the path as sent, still percent-encoded: `%2F` is part of a name (convertors.RawRoute),
+    # and the decoded path would show `/api/v1/timers/%2Fa` as `/api/v1/timers//a`
+    path = request.scope.get("root_path", "") + (raw_route_path(request.scope) or request.url.path)
     if exc.status_code == 404:
-        detail = f"no route {request.method} {request.url.path}"
+        detail = f"no route {request.method} {path}"
     elif exc.status_code == 405:
         allowed = (exc.headers or {}).get("Allow", "")
-        detail = f"{request.method} is not allowed on {request.url.path}; allowed: {allowed}"
+        detail = f"{request.method} is not allowed on {path}; allowed: {allowed}"
     else:
         detail = str(exc.detail)
     return JSONResponse({"error": slug, "detail": detail}, status_code=exc.status_code,
@@ -105,6 +109,17 @@ class UnexpectedErrors:
             await internal_error_response()(scope, receive, send)
 
 
+def _decoded_matcher(route: Route):
+    """scope -> the route's converted parameters when its pattern matches the decoded path, else None."""
+    regex, convertors = route.path_regex, route.param_convertors
+
+    def match(scope):
+        if (m := regex.match(scope["path"])) is None:
+            return None
+        return {k: convertors[k].convert(v) for k, v in m.groupdict().items()}
+    return match
+
+
 class HotRoutes:
     """The two routes a client calls once per timer, POST /api/v1/timers and
     DELETE /api/v1/timers/:queue/*timerKey, served without Starlette's
@@ -120,17 +135,19 @@ class HotRoutes:
     on_direct = staticmethod(lambda: None)  # counts the requests server.py's direct lane serves
 
     def __init__(self, routes: list[tuple[Route, str]], answers: dict | None = None):
-        self.lanes = [(route.path_regex, route.param_convertors, method, route.endpoint)
-                      for route, method in routes]
+        # a route's own matching: a RawRoute (the timer key route) on the raw path, where
+        # `%2F` is inside a segment; any other Route on the decoded path, as Starlette does
+        self.lanes = [(route.raw_params if isinstance(route, RawRoute) else _decoded_matcher(route),
+                       method, route.endpoint) for route, method in routes]
         # endpoint -> answer(app, scope): its 200 answer's JSON without a Request or a
         # Response, for server.py's direct lane (respond_direct)
         self.answers = answers or {}
 
     def match(self, scope):
-        method, path = scope["method"], scope["path"]
-        for regex, convertors, lane_method, endpoint in self.lanes:
-            if method == lane_method and (m := regex.match(path)) is not None:
-                return endpoint, {k: convertors[k].convert(v) for k, v in m.groupdict().items()}
+        method = scope["method"]
+        for matcher, lane_method, endpoint in self.lanes:
+            if method == lane_method and (params := matcher(scope)) is not None:
+                return endpoint, params
         return None
 
     async def respond(self, app: Starlette, hit, scope, receive, send=None) -> Response:
@@ -143,11 +160,12 @@ class HotRoutes:
         except Exception as exc:
             return await self._handle(app, request, exc)
 
-    async def respond_direct(self, app: Starlette, answer, scope, receive) -> tuple[int, list, bytes]:
+    async def respond_direct(self, app: Starlette, answer, hit, scope, receive) -> tuple[int, list, bytes]:
         """respond's status, headers and body for an endpoint with an answer function: the
         same bytes (Response's headers for a JSON body), without building either object
         on success (a tenth of the direct lane's CPU on a DELETE)."""
         scope["app"] = app
+        scope["path_params"] = hit[1]
         try:
             body = await answer(app, scope)
         except Exception as exc:

@@ -206,7 +206,9 @@ SCHEMAS: dict[str, dict] = {
     },
 }
 
-QUEUE_PARAM = {"name": "queue", "in": "path", "required": True, "schema": {"type": "string"}}
+QUEUE_PARAM = {"name": "queue", "in": "path", "required": True, "schema": {"type": "string"},
+               "description": "the queue's name, percent-encoded: a '/' in it is `%2F` (queue `/a` is "
+                              "`%2Fa`); a raw '/' ends the segment"}
 KEY_PARAM = {"name": "timerKey", "in": "path", "required": True,
              "description": "any text, '/' included: the contract's catch-all `*timerKey`. As OpenAPI "
                             "3.1 serialises a path parameter, a '/' in the key is percent-encoded "

@@ -28,6 +28,7 @@ from starlette.routing import Route
 from . import convertors, db, payloads  # noqa: F401 (convertors: registers {x:anypath})
 from .auth import READ_ONLY, READ_WRITE
 from .bodies import PAYLOAD_CEILING_BYTES, TENANT_KEY, read_json, weigh_answer, weigh_fetched
+from .convertors import RawRoute, path_param
 from .errors import ApiError, bad_request, check_json_unicode, check_text, from_exception, query_int, query_param
 from .limits import INT32_MAX, check_name
 
@@ -283,8 +284,9 @@ async def push(request: Request) -> JSONResponse:
 async def pop(request: Request) -> Response:
     principal = request.app.state.auth.require(request, READ_WRITE)
     settings = request.app.state.settings
-    queue = _no_nul("queue", request.path_params["queue"])
-    partition = _no_nul("partition", request.path_params.get("partition"))
+    queue = _no_nul("queue", path_param(request.scope, "queue"))
+    partition = _no_nul("partition", path_param(request.scope, "partition")
+                        if "partition" in request.path_params else None)
     check_name("queue", queue)
     if partition is not None:
         check_name("partition", partition)
@@ -417,18 +419,19 @@ async def ack_batch(request: Request) -> JSONResponse:
 async def get_message(request: Request) -> JSONResponse:
     principal = request.app.state.auth.require(request, READ_ONLY)
     settings = request.app.state.settings
+    transaction_id = path_param(request.scope, "transactionId")
     try:
-        partition_id = uuid.UUID(request.path_params["partitionId"])
+        partition_id = uuid.UUID(path_param(request.scope, "partitionId"))
     except ValueError:
         return JSONResponse({"error": "Message not found"}, status_code=404)
-    check_name("transactionId", request.path_params["transactionId"])
+    check_name("transactionId", transaction_id)
     # the answer holds the payload three times (payload, data, payloadBase64): weighed
     # as a pop's before the fetch, at the largest a stored payload can be, then as fetched
     await weigh_answer(request, principal.tenant, _largest_payload(settings), 1)
     async with _conn(request) as conn:
         cur = await conn.execute("SELECT * FROM queen.get_message(%s, %s, %s)",
                                  (principal.tenant, partition_id,
-                                  _no_nul("transactionId", request.path_params["transactionId"])))
+                                  _no_nul("transactionId", transaction_id)))
         r = await cur.fetchone()
     weigh_fetched(request, 0 if r is None else len(r["payload"]), 0 if r is None else 1)
     if r is None:
@@ -500,7 +503,7 @@ async def list_dlq(request: Request) -> JSONResponse:
 async def replay_dlq(request: Request) -> JSONResponse:
     principal = request.app.state.auth.require(request, READ_WRITE)
     try:
-        dlq_id = uuid.UUID(request.path_params["id"])
+        dlq_id = uuid.UUID(path_param(request.scope, "id"))
     except ValueError:
         raise ApiError(404, "not_found", "no DLQ entry with that id (it is not a UUID)") from None
     async with _conn(request) as conn:
@@ -622,7 +625,7 @@ async def extend_lease(request: Request) -> JSONResponse:
     """Queen's POST /api/v1/lease/:leaseId/extend {seconds?: 60}: a one-element
     array {index, leaseId, success, error, expiresAt, newExpiresAt, renewed}."""
     principal = request.app.state.auth.require(request, READ_WRITE)
-    lease_id = _no_nul("leaseId", request.path_params["leaseId"])
+    lease_id = _no_nul("leaseId", path_param(request.scope, "leaseId"))
     body = await read_json(request, empty={})
     if not isinstance(body, dict):
         raise bad_request("the body must be a JSON object")
@@ -641,18 +644,21 @@ async def extend_lease(request: Request) -> JSONResponse:
                           "expiresAt": expires, "newExpiresAt": expires, "renewed": r["renewed"]}])
 
 
+# The routes with a name in the path are RawRoutes (convertors.py): matched on the raw
+# path, so `%2F` is a character of the name it is in (`/api/v1/pop/queue/team%2Fa` is
+# queue `team/a`) and a raw `/` separates segments, as the timer routes read theirs.
 routes = [
     Route("/api/v1/configure", configure, methods=["POST"]),
     Route("/api/v1/push", push, methods=["POST"]),
-    Route("/api/v1/pop/queue/{queue}", pop, methods=["GET"]),
-    Route("/api/v1/pop/queue/{queue}/partition/{partition}", pop, methods=["GET"]),
+    RawRoute("/api/v1/pop/queue/{queue}", pop, methods=["GET"]),
+    RawRoute("/api/v1/pop/queue/{queue}/partition/{partition}", pop, methods=["GET"]),
     Route("/api/v1/ack", ack, methods=["POST"]),
     Route("/api/v1/ack/batch", ack_batch, methods=["POST"]),
-    Route("/api/v1/messages/{partitionId}/{transactionId:anypath}", get_message, methods=["GET"]),
+    RawRoute("/api/v1/messages/{partitionId}/{transactionId:anypath}", get_message, methods=["GET"]),
     Route("/api/v1/dlq", list_dlq, methods=["GET"]),
-    Route("/api/v1/dlq/{id}/replay", replay_dlq, methods=["POST"]),
+    RawRoute("/api/v1/dlq/{id}/replay", replay_dlq, methods=["POST"]),
     Route("/api/v1/transaction", transaction, methods=["POST"]),
-    Route("/api/v1/lease/{leaseId}/extend", extend_lease, methods=["POST"]),
+    RawRoute("/api/v1/lease/{leaseId}/extend", extend_lease, methods=["POST"]),
 ]
 # Starlette answers HEAD on every GET route by running it: a pop's HEAD would take a lease,
 # or with autoAck consume messages, and answer none of them. A pop is no safe method: 405.
@@ -693,6 +699,9 @@ def _q(name: str, schema: dict, description: str) -> dict:
     return {"name": name, "in": "query", "required": False, "schema": schema, "description": description}
 
 
+ENCODED = "{}, percent-encoded: a '/' in it is `%2F` (a raw '/' ends the segment)"
+
+
 def _p(name: str, description: str) -> dict:
     return {"name": name, "in": "path", "required": True, "schema": {"type": "string"}, "description": description}
 
@@ -727,9 +736,9 @@ OPENAPI_PATHS: dict = {
                                    {"type": "array", "items": _ref("PushResult")}),
                       **_BAD, **_AUTH, **_UNAVAILABLE}}},
     "/api/v1/pop/queue/{queue}": {"get": {
-        **_POP, "parameters": [_p("queue", "queue name"), *_POP_PARAMS]}},
+        **_POP, "parameters": [_p("queue", ENCODED.format("queue name")), *_POP_PARAMS]}},
     "/api/v1/pop/queue/{queue}/partition/{partition}": {"get": {
-        **_POP, "parameters": [_p("queue", "queue name"), _p("partition", "partition name"), *_POP_PARAMS]}},
+        **_POP, "parameters": [_p("queue", ENCODED.format("queue name")), _p("partition", ENCODED.format("partition name")), *_POP_PARAMS]}},
     "/api/v1/ack": {"post": {
         "summary": "Acknowledge one message (completed, failed, dlq or retry)",
         "requestBody": {"required": True, "content": {"application/json": {"schema": _ref("Ack")}}},
@@ -746,7 +755,7 @@ OPENAPI_PATHS: dict = {
                       **_BAD, **_AUTH, **_UNAVAILABLE}}},
     "/api/v1/messages/{partitionId}/{transactionId}": {"get": {
         "summary": "One message by partition id and transaction id, with its derived status",
-        "parameters": [_p("partitionId", "partition UUID"), _p("transactionId", "transaction id")],
+        "parameters": [_p("partitionId", "partition UUID"), _p("transactionId", "transaction id: the rest of the path, a '/' in it raw or percent-encoded")],
         "responses": {"200": _json("the message", _ref("MessageDetail")),
                       "404": _json("no such message", {"type": "object", "properties": {
                           "error": {"const": "Message not found"}}}),

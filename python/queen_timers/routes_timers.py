@@ -24,7 +24,6 @@ from datetime import datetime, timezone
 from itertools import repeat
 from operator import attrgetter
 from typing import Optional
-from urllib.parse import unquote_to_bytes
 
 import msgspec
 import orjson
@@ -37,6 +36,7 @@ from . import convertors, db, payloads  # noqa: F401 (convertors: registers {x:a
 from .auth import READ_ONLY, READ_WRITE, WRITE_ONLY
 from .bodies import (PAYLOAD_CEILING_BYTES, SMALL_BODY_BYTES, TENANT_KEY, read_json, values_bound, weigh_answer,
                      weigh_fetched)
+from .convertors import RawRoute, path_param
 from .errors import ApiError, bad_request, from_exception, query_int, query_param
 from .limits import INT32_MAX, INT32_MIN, MAX_PARTITION_BYTES, MAX_QUEUE_BYTES, MAX_TIMER_KEY_BYTES, MAX_TXN_BYTES, check_name
 from .openapi import openapi_endpoint
@@ -263,32 +263,17 @@ def list_row_json(r: dict) -> dict:
     }
 
 
-def _path_parts(scope: dict) -> tuple[str, str | None]:
-    """(queue, timerKey or None) from the raw path, so that `tenant/42` and
-    `tenant%2F42` are the same key and a queue segment is decoded exactly once.
-    Raises UnicodeDecodeError when the bytes are not UTF-8."""
-    raw = scope.get("raw_path")
-    if not raw:  # no raw path from the server: the decoded one is the best we have
-        raw = Request(scope).url.path.encode("utf-8")
-    raw = raw.split(b"?", 1)[0]
-    prefix = PREFIX.encode() + b"/"
-    rest = raw[len(prefix):] if raw.startswith(prefix) else b""
-    queue, sep, key = rest.partition(b"/")
-    queue_text = unquote_to_bytes(queue).decode("utf-8")
-    if not sep:
-        return queue_text, None
-    return queue_text, unquote_to_bytes(key).decode("utf-8")
-
-
 def _path_or_400(request: Request) -> tuple[str, str | None]:
     return _scope_path_or_400(request.scope)
 
 
 def _scope_path_or_400(scope: dict) -> tuple[str, str | None]:
-    try:
-        queue, key = _path_parts(scope)
-    except UnicodeDecodeError:
-        raise bad_request("the path is not valid percent-encoded UTF-8") from None
+    """(queue, timerKey or None) from the route's parameters. The routes are RawRoutes
+    (convertors.py): matched on the raw path, so `%2F` is part of the queue's name
+    (`/api/v1/timers/%2Fa/k` is queue `/a`), and `tenant/42` and `tenant%2F42` are the
+    same key; each is decoded exactly once."""
+    queue = path_param(scope, "queue")
+    key = path_param(scope, "timerKey") if "timerKey" in scope["path_params"] else None
     if not queue:
         raise bad_request("queue is required")
     check_name("queue", queue, "")
@@ -799,9 +784,7 @@ async def cancel_answer(app, scope: dict) -> bytes:
 async def peek(request: Request) -> JSONResponse:
     principal = request.app.state.auth.require(request, READ_ONLY)
     queue, key = _path_or_400(request)
-    if key is None:  # `/api/v1/timers/a%2Fb`: one raw segment, a queue with a slash
-        return await _list(request, principal, queue)
-    if key == "":
+    if not key:
         raise bad_request("timerKey is required")
 
     async def work(conn):
@@ -820,9 +803,7 @@ async def peek(request: Request) -> JSONResponse:
 
 async def list_timers(request: Request) -> JSONResponse:
     principal = request.app.state.auth.require(request, READ_ONLY)
-    queue, key = _path_or_400(request)
-    if key is not None:  # a raw path the decoded one hid (cannot happen with uvicorn)
-        raise bad_request("unexpected path")
+    queue, _ = _path_or_400(request)
     return await _list(request, principal, queue)
 
 
@@ -854,11 +835,12 @@ async def peek_or_cancel(request: Request) -> JSONResponse:
 
 # Order: the one-segment list route first; `{queue}` never matches a slash,
 # so it cannot shadow the catch-all, and the catch-all needs at least "/".
+# Both are RawRoutes: matched on the raw path, where a queue's `/` is `%2F`.
 SCHEDULE_ROUTE = Route(PREFIX, schedule, methods=["POST"])
-KEY_ROUTE = Route(PREFIX + "/{queue}/{timerKey:anypath}", peek_or_cancel, methods=["GET", "DELETE"])
+KEY_ROUTE = RawRoute(PREFIX + "/{queue}/{timerKey:anypath}", peek_or_cancel, methods=["GET", "DELETE"])
 routes: list = [
     Route("/openapi.json", openapi_endpoint, methods=["GET"]),
     SCHEDULE_ROUTE,
-    Route(PREFIX + "/{queue}", list_timers, methods=["GET"]),
+    RawRoute(PREFIX + "/{queue}", list_timers, methods=["GET"]),
     KEY_ROUTE,
 ]

@@ -54,6 +54,7 @@ from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
 from .bodies import PROTOCOL_KEY, release_body
 from .config import tenant_share
+from .convertors import RAW_PATH_KEY
 
 MAX_HEAD_BYTES = 16 * 1024  # h11's max_incomplete_event_size default, uvicorn's h11 limit
 # file descriptors a broker needs besides its HTTP connections: its database connections
@@ -452,10 +453,11 @@ class JsonErrorHttpToolsProtocol(HttpToolsProtocol):
         scope = self.scope
         parsed = httptools.parse_url(self.url)
         raw_path = parsed.path
-        path = raw_path.decode("ascii")
+        path = text = raw_path.decode("ascii")
         if "%" in path:
             path = urllib.parse.unquote(path)
         scope["method"], scope["path"], scope["raw_path"] = "DELETE", path, raw_path
+        scope[RAW_PATH_KEY] = (path, text)  # the key route matches the raw path (convertors.RawRoute)
         scope["query_string"] = parsed.query or b""
         hit = hot.match(scope)
         if hit is None:
@@ -474,7 +476,7 @@ class JsonErrorHttpToolsProtocol(HttpToolsProtocol):
             hot = self.app.hot
             answer = hot.answers.get(hit[0])
             if answer is not None:
-                status, headers, body = await hot.respond_direct(self.app, answer, scope, _no_body)
+                status, headers, body = await hot.respond_direct(self.app, answer, hit, scope, _no_body)
             else:
                 response = await hot.respond(self.app, hit, scope, _no_body)
                 status, headers, body = response.status_code, response.raw_headers, response.body

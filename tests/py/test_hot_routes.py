@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import urllib.parse
 
 import httpx
 import pytest
@@ -21,9 +22,13 @@ from queen_timers.app import create_app
 from queen_timers.config import Settings
 
 
-def _scope(method: str, path: str) -> dict:
-    return {"type": "http", "method": method, "path": path, "root_path": "", "headers": [],
-            "query_string": b""}
+def _scope(method: str, path: str, raw: str | None = None) -> dict:
+    """A request's scope; `raw`: the target as sent (percent-encoded), `path` its decoding."""
+    scope = {"type": "http", "method": method, "path": path, "root_path": "", "headers": [],
+             "query_string": b""}
+    if raw is not None:
+        scope["raw_path"] = raw.encode("ascii")
+    return scope
 
 
 PATHS = [
@@ -36,10 +41,21 @@ PATHS = [
 ]
 
 
-@pytest.mark.parametrize("method,path", PATHS)
-def test_a_request_takes_the_lane_only_where_the_router_would_send_it_to_that_route(method, path):
+# sent percent-encoded: the key route matches the raw path, where `%2F` is inside a segment
+# (a queue `/a`, `/`, `a/b`); the lane must match it the same way, not on the decoded path
+RAW_PATHS = [
+    ("DELETE", "/api/v1/timers/%2Fa/k"), ("DELETE", "/api/v1/timers/%2F/%2F"), ("DELETE", "/api/v1/timers/a%2Fb/k"),
+    ("DELETE", "/api/v1/timers/a%2Fb"), ("DELETE", "/api/v1/timers/%2Fa"), ("DELETE", "/api/v1/timers//a/k"),
+    ("DELETE", "/api/v1/timers/q/k%2F"), ("DELETE", "/api/v1/timers/%FF/k"), ("GET", "/api/v1/timers/%2Fa/k"),
+    ("DELETE", "/api/v1/timers/q%2F"), ("POST", "/api/v1/timers%2F"), ("DELETE", "/api/v1/timers%2Fq%2Fk"),
+]
+
+
+@pytest.mark.parametrize("method,path,raw", [(m, p, None) for m, p in PATHS]
+                         + [(m, urllib.parse.unquote(r), r) for m, r in RAW_PATHS])
+def test_a_request_takes_the_lane_only_where_the_router_would_send_it_to_that_route(method, path, raw):
     app = create_app(Settings.from_env({"QUEEN_DATABASE_URL": "postgresql://unused/db"}))
-    scope = _scope(method, path)
+    scope = _scope(method, path, raw)
     first_full = next((r for r in app.router.routes if r.matches(dict(scope))[0] == Match.FULL), None)
     hit = app.hot.match(dict(scope))
     lanes = [(routes_timers.SCHEDULE_ROUTE, "POST"), (routes_timers.KEY_ROUTE, "DELETE")]
@@ -48,6 +64,16 @@ def test_a_request_takes_the_lane_only_where_the_router_would_send_it_to_that_ro
         assert hit[1] == first_full.matches(dict(scope))[1]["path_params"]
     else:
         assert hit is None
+
+
+@pytest.mark.parametrize("raw,queue,key", [("/api/v1/timers/%2Fa/k", "/a", "k"), ("/api/v1/timers/%2F/%2F", "/", "/"),
+                                            ("/api/v1/timers/a%2Fb/k/x", "a/b", "k/x"),
+                                            ("/api/v1/timers/a%2Fb/k%2Fx", "a/b", "k/x")])
+def test_the_lane_reads_an_encoded_slash_as_part_of_the_queue(raw, queue, key):
+    app = create_app(Settings.from_env({"QUEEN_DATABASE_URL": "postgresql://unused/db"}))
+    hit = app.hot.match(_scope("DELETE", urllib.parse.unquote(raw), raw))
+    assert hit is not None and hit[0] is routes_timers.KEY_ROUTE.endpoint
+    assert hit[1] == {"queue": queue, "timerKey": key}
 
 
 @contextlib.asynccontextmanager
@@ -88,7 +114,8 @@ def test_verdicts_and_refusals_are_the_stacks(db, database_url):
         async with _apps(database_url) as (hot_app, hot, stack_app, stack):
             # DELETE: absent, refused key, query txn, a key over its limit
             for path in ("/api/v1/timers/q/none", "/api/v1/timers/q/a%00b", "/api/v1/timers/q/k?txn=x",
-                         "/api/v1/timers/q/" + "k" * 2000):
+                         "/api/v1/timers/q/" + "k" * 2000, "/api/v1/timers/%2Fa/k", "/api/v1/timers/%2F/%2F?txn=y",
+                         "/api/v1/timers/%FF/k", "/api/v1/timers//a/k", "/api/v1/timers/%2Fa"):
                 ra, rb = await _same(hot, stack, "DELETE", path)
                 assert ra.json() == rb.json()
             # POST: refusals of every kind are the same bytes
