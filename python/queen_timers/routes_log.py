@@ -517,6 +517,9 @@ async def replay_dlq(request: Request) -> JSONResponse:
 # ---------------------------------------------------------------------------
 
 MAX_TXN_OPS = 10000
+# requiredLeases entries per transaction, counted as sent (duplicates too): queen-mq names at
+# most one per ack (deduplicated), and a transaction holds at most MAX_TXN_OPS acks
+MAX_TXN_LEASES = MAX_TXN_OPS
 
 TXN_SQL = """
 SELECT o.transaction_id, o.success, o.error, o.failed_index,
@@ -562,7 +565,11 @@ async def transaction(request: Request) -> JSONResponse:
     required = body.get("requiredLeases")
     if required is None:
         required = []
-    if not isinstance(required, list) or not all(isinstance(x, str) for x in required):
+    if not isinstance(required, list):
+        raise bad_request("requiredLeases must be an array of strings")
+    if len(required) > MAX_TXN_LEASES:
+        raise bad_request(f"at most {MAX_TXN_LEASES} requiredLeases per transaction (duplicates count)")
+    if not all(isinstance(x, str) for x in required):
         raise bad_request("requiredLeases must be an array of strings")
     for lease in required:
         _no_nul("requiredLeases", lease)
@@ -890,9 +897,11 @@ OPENAPI_SCHEMAS: dict = {
                     "transactionId": {"type": "string"}, "traceId": {"type": ["string", "null"], "format": "uuid"}}}}}},
             {"allOf": [{"type": "object", "required": ["type"], "properties": {"type": {"const": "ack"}}},
                        _ref("Ack")]}]}},
-        "requiredLeases": {"type": "array", "items": {"type": "string"},
-                           "description": "leases that must be held; an ack without its own leaseId "
-                                          "borrows the lease when exactly one is named"},
+        "requiredLeases": {"type": "array", "items": {"type": "string"}, "maxItems": MAX_TXN_LEASES,
+                           "description": "leases that must be held (an id that is not a UUID is held by "
+                                          "nobody; duplicates count once, but toward maxItems too); an ack "
+                                          "without its own leaseId borrows the lease when exactly one "
+                                          "distinct lease is named"},
         "kv": {"description": "not supported by this broker: a non-empty value is 400"},
         "timers": {"description": "not supported by this broker: a non-empty value is 400"}}},
     "TransactionResult": {"type": "object", "properties": {

@@ -91,6 +91,10 @@ CREATE TABLE queen.partition_consumers (
     batch_last_xid      xid8,
     PRIMARY KEY (partition_id, consumer_group)
 );
+-- A lease by its id (execute_transaction's requiredLeases). Partial: a
+-- cursor holds a lease only between a pop and the ack that ends its batch.
+CREATE INDEX partition_consumers_lease_idx ON queen.partition_consumers (lease_id)
+    WHERE lease_id IS NOT NULL;
 
 -- Dead letters, per queue (through the partition) and consumer group.
 -- A timer that exhausted its attempts lands here under the synthetic

@@ -807,6 +807,40 @@ LANGUAGE sql IMMUTABLE AS $$
                p_lease_id, p_consumer_group)::queen.txn_op
 $$;
 
+-- A lease id as sent (text) as the uuid partition_consumers.lease_id
+-- holds, or NULL when it is not one: only the canonical 8-4-4-4-12 hex
+-- form, in either case, as the text comparison it replaces matched
+-- (pc.lease_id::text = lower(id)). NULL matches no lease.
+CREATE FUNCTION queen.lease_uuid(p_id text)
+RETURNS uuid
+LANGUAGE sql IMMUTABLE AS $$
+    SELECT CASE WHEN p_id ~ '^[0-9A-Fa-f]{8}-[0-9A-Fa-f]{4}-[0-9A-Fa-f]{4}-[0-9A-Fa-f]{4}-[0-9A-Fa-f]{12}$'
+                THEN p_id::uuid END
+$$;
+
+-- The position in p_leases of the first id that is not a lease the tenant
+-- p_tenant holds unexpired at p_now (a malformed id, or NULL, is held by
+-- nobody), or NULL when every one is held. Each id is one probe of
+-- partition_consumers_lease_idx, whatever the statistics say: the lookup is
+-- a subquery per id whose one indexable condition is the lease (the
+-- tenant is a lookup of the row's partition by its key), and seq and bitmap
+-- scans are off. Planned as a join, with the statistics of an empty table,
+-- it scanned every cursor row once per id.
+CREATE FUNCTION queen.first_unheld_lease(p_tenant text, p_leases text[], p_now timestamptz)
+RETURNS bigint
+LANGUAGE sql STABLE SET enable_seqscan = off SET enable_bitmapscan = off AS $$
+    SELECT x.n
+      FROM unnest(p_leases) WITH ORDINALITY AS x(l, n)
+     WHERE (SELECT true
+              FROM queen.partition_consumers pc
+             WHERE pc.lease_id = queen.lease_uuid(x.l) AND pc.lease_expires_at > p_now
+               AND (SELECT q.tenant FROM queen.partitions p JOIN queen.queues q ON q.id = p.queue_id
+                     WHERE p.id = pc.partition_id) = p_tenant
+             LIMIT 1) IS NULL
+     ORDER BY x.n
+     LIMIT 1
+$$;
+
 -- Queen's transaction: pushes and acks, in order, all or nothing, in the
 -- tenant's queues. Each push is push_messages' (a transaction id already
 -- in the partition is 'duplicate', which makes a retried transaction
@@ -817,9 +851,10 @@ $$;
 -- SQLSTATE QTTXF inside its own block and catches it: it never escapes,
 -- so it has no HTTP mapping). Every lease in
 -- p_required_leases must be held (unexpired) on one of the tenant's
--- partitions, else nothing is done either; an ack without its own lease
--- borrows the one required lease when exactly one is named. Shape
--- errors raise QTBAD.
+-- partitions, else nothing is done either (an id that is not a UUID is
+-- held by nobody); duplicates count once. An ack without its own lease
+-- borrows the one required lease when exactly one distinct lease is
+-- named. Shape errors raise QTBAD.
 CREATE FUNCTION queen.execute_transaction(
     p_tenant          text,
     p_ops             queen.txn_op[],
@@ -833,6 +868,8 @@ DECLARE
     v_id     uuid := gen_random_uuid();
     v_out    queen.txn_result[] := '{}';
     v_msg    text;
+    v_named  text[];
+    v_unheld bigint;
     v_lease  text;
     v_failed integer;
     o        record;
@@ -883,21 +920,19 @@ BEGIN
         RAISE EXCEPTION 'timers_bad_request' USING ERRCODE = 'QTBAD', DETAIL = v_msg;
     END IF;
 
-    -- Every required lease must be held now, on one of the tenant's partitions.
-    SELECT l INTO v_msg
-      FROM unnest(p_required_leases) l
-     WHERE NOT EXISTS (
-           SELECT 1 FROM queen.partition_consumers pc
-             JOIN queen.partitions p ON p.id = pc.partition_id
-             JOIN queen.queues q ON q.id = p.queue_id
-            WHERE q.tenant = p_tenant AND pc.lease_id::text = lower(l) AND pc.lease_expires_at > v_now)
-     LIMIT 1;
-    IF FOUND THEN
-        RETURN ROW(v_id, false, format('Invalid or expired lease: %s', v_msg), NULL, '{}')::queen.txn_outcome;
+    -- Every required lease must be held now, on one of the tenant's partitions:
+    -- the distinct ids, in the order first named, one index probe each
+    -- (queen.first_unheld_lease); the first one not held is reported.
+    v_named := ARRAY(SELECT u.l FROM unnest(p_required_leases) WITH ORDINALITY AS u(l, n)
+                      GROUP BY u.l ORDER BY min(u.n));
+    v_unheld := queen.first_unheld_lease(p_tenant, v_named, v_now);
+    IF v_unheld IS NOT NULL THEN
+        RETURN ROW(v_id, false, format('Invalid or expired lease: %s', v_named[v_unheld]), NULL,
+                   '{}')::queen.txn_outcome;
     END IF;
-    IF cardinality(p_required_leases) = 1 THEN
-        v_lease := nullif(p_required_leases[1], '');
-    END IF;
+    -- every id names a held lease: one distinct lease (however often, in either case) is lent
+    SELECT CASE WHEN count(*) = 1 THEN min(d.lease) END INTO v_lease
+      FROM (SELECT DISTINCT queen.lease_uuid(l)::text AS lease FROM unnest(v_named) l) d;
 
     BEGIN
         -- queues and partitions a push creates here are undone too when an ack fails;

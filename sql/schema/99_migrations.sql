@@ -29,4 +29,5 @@ INSERT INTO queen.schema_migrations (version, name) VALUES
     (24, 'fold_hashed'),
     (25, 'fire_plan_settings'),
     (26, 'pop_bounded'),
-    (27, 'consumer_plans');
+    (27, 'consumer_plans'),
+    (28, 'required_leases');

@@ -273,3 +273,101 @@ def test_lease_extend_is_tenant_scoped(jwt_client, db):
     assert extend(c, msg["leaseId"], {"seconds": 3600}, headers=A)["success"] is True
     assert_error(c.post(f"/api/v1/lease/{msg['leaseId']}/extend", json={},
                         headers=token("read-only", tenant="acme")), 403, "forbidden")
+
+
+# ---------------------------------------------------------------------------
+# requiredLeases: bounded (10,000 entries, duplicates included) and checked as a set
+# ---------------------------------------------------------------------------
+
+MAX_LEASES = 10000
+
+
+def many_cursors(db, tenant, queue, n):
+    """n more cursor rows, each a consumer group holding its own lease on the queue's one
+    message, made in SQL; their lease ids, in group order."""
+    rows = db.execute("""SELECT m.lease_id::text AS lease
+                           FROM generate_series(1, %s) g, LATERAL queen.pop_messages(%s, %s, NULL, 'g' || g, 1) m
+                          ORDER BY g""", (n, tenant, queue)).fetchall()
+    assert len(rows) == n
+    return [r["lease"] for r in rows]
+
+
+def analyze(db):
+    """Statistics that know the cursor rows, as autovacuum leaves them: the old per-element
+    check then scanned them once per element (tests/sql/88_required_leases.sql has the
+    statistics of an empty table)."""
+    db.execute("ANALYZE queen.partition_consumers")
+
+
+def timed_txn(c, body, headers):
+    started = time.monotonic()
+    r = c.post("/api/v1/transaction", json=body, headers=headers)
+    return r, time.monotonic() - started
+
+
+def test_a_large_legal_required_leases_list_answers_quickly(jwt_client, db):
+    c = jwt_client
+    push(c, "in", "m1", headers=A)
+    leases = many_cursors(db, "acme", "in", 3000)
+    msg = pop(c, "in", headers=A)["messages"][0]  # the newest of 3,001 cursor rows
+    analyze(db)
+    # 10,000 copies of the one lease the ack holds: 10,000 scans of the cursor rows before (the
+    # statement timeout's 503, on every retry); one index probe now
+    r, took = timed_txn(c, {"operations": [ack_op(msg), push_op("out", "o1")],
+                            "requiredLeases": [msg["leaseId"]] * MAX_LEASES}, A)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert out["success"] is True and [x["success"] for x in out["results"]] == [True, True]
+    assert took < 3, f"{took:.2f} s"
+    # 3,000 distinct held leases (in upper case) padded with copies to the limit: all held
+    padded = [x.upper() for x in leases] + [leases[0]] * (MAX_LEASES - len(leases))
+    r, took = timed_txn(c, {"operations": [push_op("out", "o2")], "requiredLeases": padded}, A)
+    assert r.status_code == 200 and r.json()["success"] is True, r.text
+    assert took < 3, f"{took:.2f} s"
+    # one that is not held among them is named, and nothing is written
+    before = state(db)
+    bogus = str(uuid.uuid4())
+    out = txn(c, {"operations": [push_op("out", "o3")], "requiredLeases": padded[:5000] + [bogus] + padded[5000:-1]},
+              headers=A)
+    assert (out["success"], out["error"], out["failedIndex"], out["results"]) == \
+        (False, f"Invalid or expired lease: {bogus}", None, [])
+    # a malformed id is a lease nobody holds (200, success false), not an error
+    out = txn(c, {"operations": [push_op("out", "o3")], "requiredLeases": leases[:10] + ["not-a-lease"]}, headers=A)
+    assert (out["success"], out["error"]) == (False, "Invalid or expired lease: not-a-lease")
+    assert state(db) == before
+
+
+def test_copies_of_another_tenants_lease_do_not_satisfy_required_leases(jwt_client, db):
+    c = jwt_client
+    push(c, "in", "m1", headers=A)
+    msg = pop(c, "in", headers=A)["messages"][0]
+    many_cursors(db, "acme", "in", 1000)
+    push(c, "in", "g1", headers=B)
+    pop(c, "in", headers=B)  # globex holds a lease of its own
+    analyze(db)
+    before = state(db)
+    r, took = timed_txn(c, {"operations": [push_op("in", "b1")], "requiredLeases": [msg["leaseId"]] * MAX_LEASES}, B)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert (out["success"], out["error"], out["failedIndex"]) == \
+        (False, f"Invalid or expired lease: {msg['leaseId']}", None)
+    assert took < 3, f"{took:.2f} s"
+    assert state(db) == before  # b1 is not in globex's queue "in"
+
+
+@pytest.mark.parametrize("n", [MAX_LEASES + 1, 200000])
+def test_required_leases_past_the_limit_is_400_and_writes_nothing(client, db, n):
+    configure(client, "in")
+    push(client, "in", "m1")
+    msg = pop(client, "in")["messages"][0]
+    before = state(db)
+    # the audit's body at n = 200,000: 8 MB of one valid lease, which timed out (503) on every retry
+    r, took = timed_txn(client, {"operations": [ack_op(msg), push_op("out", "o1")],
+                                 "requiredLeases": [msg["leaseId"]] * n}, {})
+    detail = assert_error(r, 400, "timers_bad_request")["detail"]
+    assert detail == f"at most {MAX_LEASES} requiredLeases per transaction (duplicates count)"
+    assert took < 5, f"{took:.2f} s"
+    assert state(db) == before
+    # the lease is still held: the same transaction within the limit commits
+    out = txn(client, {"operations": [ack_op(msg), push_op("out", "o1")], "requiredLeases": [msg["leaseId"]] * MAX_LEASES})
+    assert out["success"] is True
