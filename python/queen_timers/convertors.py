@@ -59,7 +59,6 @@ def raw_route_path(scope: dict) -> str | None:
     if cached is not None and cached[0] == path:
         return cached[1]
     raw = scope.get("raw_path")
-    text = None
     if raw:
         candidate = raw.partition(b"?")[0].decode("latin-1")
         if candidate.isascii() and (candidate == path or ("%" in candidate and unquote(candidate) == path)):

@@ -3,6 +3,8 @@
 import re
 from pathlib import Path
 
+from test_direct_lane import direct_count
+
 
 def test_health(client):
     r = client.get("/health")
@@ -17,9 +19,6 @@ def test_the_broker_runs_on_uvloop_and_httptools(broker, client):
     maps = Path(f"/proc/{broker.proc.pid}/maps").read_text()
     assert re.search(r"/uvloop/loop\.cpython-[^/]*\.so$", maps, re.M), "uvloop is not loaded"
     # the direct lane is server.py's httptools protocol's: a DELETE it serves is counted
-    def served_direct() -> float:
-        text = client.get("/metrics/prometheus").text
-        return float(re.search(r"^queen_timers_http_direct_requests_total (\S+)$", text, re.M).group(1))
-    before = served_direct()
+    before = direct_count(broker)
     assert client.delete("/api/v1/timers/reminders/smoke").json()["status"] == "absent"
-    assert served_direct() == before + 1
+    assert direct_count(broker) == before + 1
