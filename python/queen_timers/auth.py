@@ -60,6 +60,7 @@ class Authenticator:
             self.key = settings.jwt_secret
             self.algorithms = ["HS256"]
         self.leeway = settings.jwt_leeway_seconds
+        self.operator_tenant = settings.operator_tenant
         self.slots = RequestSlots(settings.tenant_max_requests, settings.max_connections)
 
     def identify(self, scope: dict) -> Principal | ApiError:
@@ -119,12 +120,21 @@ class Authenticator:
     def require(self, request: Request, level: str) -> Principal:
         return self.require_scope(request.scope, level)
 
-    def require_scope(self, scope: dict, level: str) -> Principal:
+    def require_operator(self, request: Request) -> Principal:
+        """The cell-wide switches (routes_ops): `admin` of QUEEN_OPERATOR_TENANT. A pause
+        stops every tenant's scheduling or fire, so another tenant's admin may not flip it,
+        nor read the cell's pending count; with auth off every call is the operator."""
+        return self.require_scope(request.scope, ADMIN, operator=True)
+
+    def require_scope(self, scope: dict, level: str, operator: bool = False) -> Principal:
         principal = self.identify(scope)
         if isinstance(principal, ApiError):
             raise principal
         scope[TENANT_KEY] = principal.tenant  # the body budget's share is per tenant
         if not principal.allows(level):
             raise ApiError(403, "forbidden", f"this route needs {level}; the credential is {principal.role}")
+        if operator and self.enabled and principal.tenant != self.operator_tenant:
+            raise ApiError(403, "forbidden", "the cell's switches need an admin credential of the operator "
+                                             "tenant (QUEEN_OPERATOR_TENANT); this one is another tenant's")
         self.slots.take(scope, principal.tenant)  # 503 past the tenant's share of requests
         return principal

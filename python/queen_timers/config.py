@@ -129,6 +129,8 @@ class Settings:
     jwt_secret: str | None = None
     jwt_public_key: str | None = None
     jwt_leeway_seconds: int = 5
+    # the tenant whose admin tokens may flip the cell-wide switches (QUEEN_AUTH=jwt)
+    operator_tenant: str = "default"
     tenancy: bool = False
     # database capacity
     pool_min: int = 1
@@ -181,6 +183,7 @@ class Settings:
             jwt_secret=env.get("QUEEN_JWT_SECRET") or None,
             jwt_public_key=env.get("QUEEN_JWT_PUBLIC_KEY") or None,
             jwt_leeway_seconds=_int(env, "QUEEN_JWT_LEEWAY_SECONDS", 5, 0),
+            operator_tenant=env.get("QUEEN_OPERATOR_TENANT") or "default",
             tenancy=_choice(env, "QUEEN_TENANCY", "off", ("off", "on")) == "on",
             pool_min=_int(env, "QUEEN_POOL_MIN", 1, 0),
             pool_max=_int(env, "QUEEN_POOL_MAX", 10, 1),

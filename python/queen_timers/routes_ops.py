@@ -1,14 +1,17 @@
 """Operator routes: the fire's switches, its status, and the Prometheus scrape.
 
-    GET  /api/v1/system/timers             admin   {schedulingPaused, firePaused, pending}
+    GET  /api/v1/system/timers             operator  {schedulingPaused, firePaused, pending}
     GET  /api/v1/system/timers/stats       read-only  per-queue aggregates of the caller's tenant
-    POST /api/v1/system/timers/scheduling  admin   {"paused": bool} -> status
-    POST /api/v1/system/timers/fire        admin   {"paused": bool} -> status
+    POST /api/v1/system/timers/scheduling  operator  {"paused": bool} -> status
+    POST /api/v1/system/timers/fire        operator  {"paused": bool} -> status
     GET  /metrics/prometheus               public  text/plain; version=0.0.4
 
 The switches are queen.pause_scheduling / queen.pause_fire: one row in
 queen.cell_settings, so a pause applies to every broker of the cell, and a
-DBA can flip it from psql with no broker running.
+DBA can flip it from psql with no broker running. Over HTTP they need an
+`admin` credential of the operator tenant (QUEEN_OPERATOR_TENANT, `default`):
+a pause stops every tenant's timers, so one tenant's admin cannot take the
+cell's fire down for the others.
 
 The stats (queen.get_timer_stats) are aggregates only, counts per queue and
 per time bucket of the caller's tenant: the contract has no tenant-wide
@@ -23,7 +26,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from .auth import ADMIN, READ_ONLY
+from .auth import READ_ONLY
 from .bodies import TENANT_KEY, read_json
 from .errors import bad_request, from_exception, query_int, query_param
 from .limits import INT32_MAX, INT32_MIN, check_name
@@ -64,12 +67,12 @@ async def _status(request: Request) -> dict:
 
 
 async def timers_status(request: Request) -> JSONResponse:
-    request.app.state.auth.require(request, ADMIN)
+    request.app.state.auth.require_operator(request)
     return JSONResponse(await _status(request))
 
 
 async def _switch(request: Request, function: str) -> JSONResponse:
-    request.app.state.auth.require(request, ADMIN)
+    request.app.state.auth.require_operator(request)
     paused = await _paused_flag(request)
     async with request.app.state.pool.connection(tenant=request.scope.get(TENANT_KEY)) as conn:
         await conn.execute(f"SELECT queen.{function}(%s)", (paused,))
@@ -230,8 +233,12 @@ _PAUSED_BODY = {
 }
 
 
+OPERATOR_NOTE = (" Needs an admin credential of the operator tenant (QUEEN_OPERATOR_TENANT, `default`); "
+                 "another tenant's admin gets 403 forbidden: a switch acts on every tenant of the cell.")
+
+
 def _switch_op(summary: str, description: str) -> dict:
-    return {"post": {"summary": summary, "description": description, "tags": ["system"],
+    return {"post": {"summary": summary, "description": description + OPERATOR_NOTE, "tags": ["system"],
                      "x-access-level": "admin", "requestBody": _PAUSED_BODY,
                      "responses": {**_STATUS_OK, **_ERRORS}}}
 
@@ -240,7 +247,8 @@ def _switch_op(summary: str, description: str) -> dict:
 OPENAPI_PATHS: dict = {
     "/api/v1/system/timers": {
         "get": {"summary": "Status of the fire", "tags": ["system"], "x-access-level": "admin",
-                "description": "The operator switches (queen.cell_settings) and the cell's pending timers.",
+                "description": "The operator switches (queen.cell_settings) and the cell's pending timers."
+                               + OPERATOR_NOTE,
                 "responses": {**_STATUS_OK, **{k: v for k, v in _ERRORS.items() if k != "400"}}},
     },
     "/api/v1/system/timers/stats": {

@@ -179,7 +179,8 @@ def test_dashboard_shows_counts_histogram_dlq_and_lag_and_flips_the_fire(db, spa
 
 
 def test_dashboard_with_jwt_read_only_sees_its_tenant_and_no_switches_admin_flips_them(broker_factory, db, page):
-    b = broker_factory(QUEEN_AUTH="jwt", QUEEN_JWT_SECRET=JWT_SECRET)
+    # acme's admin is the cell's operator here; globex's admin is not
+    b = broker_factory(QUEEN_AUTH="jwt", QUEEN_JWT_SECRET=JWT_SECRET, QUEEN_OPERATOR_TENANT="acme")
     with b.client() as c:
         assert post(c, op("schedule", "k1", "alpha", delayMs=340_000), op("schedule", "k2", "alpha", delayMs=345_000),
                     op("schedule", "k3", "beta", delayMs=50_000), headers=token("write-only")).status_code == 200
@@ -226,7 +227,18 @@ def test_dashboard_with_jwt_read_only_sees_its_tenant_and_no_switches_admin_flip
     expect(page.locator("#token")).to_have_value(read_only)
     expect(page.locator('#queues tbody tr[data-queue="alpha"] .pending')).to_have_text("2")
 
-    # an admin token: the switches appear and flip the cell
+    # another tenant's admin token: its own queues, and no switches (a pause stops every tenant)
+    before = started(page)
+    page.fill("#token", token("admin", tenant="globex")["Authorization"].removeprefix("Bearer "))
+    page.click("#token-save")
+    wait_refresh(page, before)
+    expect(page.locator("#who")).to_contain_text("admin · tenant globex")
+    assert set(queue_rows(page)) == {"globex-only"}
+    expect(page.locator("#switches-note")).to_contain_text("operator tenant")
+    assert page.locator("#switches button, #fire-toggle, #scheduling-toggle").count() == 0
+    assert cell_status(db) == {"scheduling_paused": False, "fire_paused": False, "pending": 4}
+
+    # the operator tenant's admin token: the switches appear and flip the cell
     before = started(page)
     page.fill("#token", admin)
     page.click("#token-save")

@@ -18,8 +18,8 @@ from sweeper_support import (  # noqa: F401  (fixtures)
 JWT_SECRET = "sweeper-test-secret-0123456789abcdef0123456789"
 
 
-def token(role: str) -> dict:
-    claims = {"sub": f"ops-{role}", "tenant": "default", "role": role, "exp": int(time.time()) + 600}
+def token(role: str, tenant: str = "default") -> dict:
+    claims = {"sub": f"ops-{role}", "tenant": tenant, "role": role, "exp": int(time.time()) + 600}
     t = jwt.encode(claims, JWT_SECRET, algorithm="HS256")
     return {"Authorization": f"Bearer {t}"}
 
@@ -218,6 +218,35 @@ def test_operator_routes_need_admin(sdb, sweeper_broker):
         assert sdb.execute("SELECT fire_paused FROM queen.cell_settings").fetchone()["fire_paused"] is True
         # the scrape is public
         assert c.get("/metrics/prometheus").status_code == 200
+
+
+@pytest.mark.parametrize("operator", [None, "ops"])
+def test_another_tenants_admin_cannot_flip_the_cells_switches(sdb, sweeper_broker, operator):
+    """A pause stops every tenant's timers: only an admin of the operator tenant
+    (QUEEN_OPERATOR_TENANT, `default` unless set) flips it or reads the cell's count."""
+    env = {} if operator is None else {"QUEEN_OPERATOR_TENANT": operator}
+    b = sweeper_broker(QUEEN_AUTH="jwt", QUEEN_JWT_SECRET=JWT_SECRET, **env)
+    ops = operator or "default"
+    others = ["acme"] + ([] if operator is None else ["default"])
+    with b.client() as c:
+        for tenant in others:
+            for path in ("/api/v1/system/timers/fire", "/api/v1/system/timers/scheduling"):
+                r = c.post(path, json={"paused": True}, headers=token("admin", tenant))
+                assert r.status_code == 403 and r.json()["error"] == "forbidden", r.text
+                assert "QUEEN_OPERATOR_TENANT" in r.json()["detail"]
+            r = c.get("/api/v1/system/timers", headers=token("admin", tenant))
+            assert r.status_code == 403 and r.json()["error"] == "forbidden", r.text
+            assert "pending" not in r.json()
+            # its own tenant's routes: admin includes read-write
+            assert c.get("/api/v1/system/timers/stats", headers=token("admin", tenant)).status_code == 200
+        settings = sdb.execute("SELECT fire_paused, scheduling_paused FROM queen.cell_settings").fetchone()
+        assert settings == {"fire_paused": False, "scheduling_paused": False}
+        assert c.post("/api/v1/system/timers/scheduling", json={"paused": True},
+                      headers=token("read-write", ops)).status_code == 403
+        r = c.post("/api/v1/system/timers/scheduling", json={"paused": True}, headers=token("admin", ops))
+        assert r.status_code == 200 and r.json()["schedulingPaused"] is True, r.text
+        r = c.get("/api/v1/system/timers", headers=token("admin", ops))
+        assert r.status_code == 200 and r.json()["schedulingPaused"] is True
 
 
 def test_a_duplicate_txn_in_a_batch_is_redone_and_nothing_else_changes(sdb, sweeper_broker):

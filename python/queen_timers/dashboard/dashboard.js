@@ -5,8 +5,8 @@
 //   GET  /api/v1/system/timers/stats      per-queue counts, due-time histogram (read-only)
 //   GET  /metrics/prometheus              fire lag histogram and counters (public)
 //   GET  /api/v1/dlq                      dead letters with their error (read-only)
-//   GET  /api/v1/system/timers            the pause switches (admin)
-//   POST /api/v1/system/timers/{scheduling,fire}   flip a switch (admin)
+//   GET  /api/v1/system/timers            the pause switches (the operator tenant's admin)
+//   POST /api/v1/system/timers/{scheduling,fire}   flip a switch (the operator tenant's admin)
 // Everything from the server is put in the page as text (textContent),
 // never as HTML: queue names and error messages are user data.
 "use strict";
@@ -330,7 +330,8 @@
       if (e.status === 403) {
         panelError("panel-switches", null);
         $("switches-note").hidden = false;
-        $("switches-note").textContent = "The pause switches need an admin token; this one is not admin.";
+        $("switches-note").textContent = "The pause switches need an admin token of the cell's operator tenant "
+          + "(QUEEN_OPERATOR_TENANT); this one is not.";
       } else {
         $("switches-note").hidden = true;
         panelError("panel-switches", e);
