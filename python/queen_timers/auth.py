@@ -122,8 +122,9 @@ class Authenticator:
 
     def require_operator(self, request: Request) -> Principal:
         """The cell-wide switches (routes_ops): `admin` of QUEEN_OPERATOR_TENANT. A pause
-        stops every tenant's scheduling or fire, so another tenant's admin may not flip it,
-        nor read the cell's pending count; with auth off every call is the operator."""
+        stops every tenant's scheduling or fire, so another tenant's admin may not flip it
+        (the status route is the operator's too; the public scrape shows the same gauges).
+        With auth off every call is the operator."""
         return self.require_scope(request.scope, ADMIN, operator=True)
 
     def require_scope(self, scope: dict, level: str, operator: bool = False) -> Principal:
