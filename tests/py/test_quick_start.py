@@ -1,0 +1,162 @@
+"""The README's front door, as a newcomer runs it: `make run` in a checkout with no cluster
+yet creates one, installs the schema and serves on QUEEN_PORT, and the README's "Try it"
+block, run verbatim by bash against it, schedules, peeks, receives the frame from the log
+and gets `absent` from the cancel. A second `make run` reuses the cluster (created once) and
+what it holds.
+
+The checkout is a copy of Makefile and scripts/ in a /tmp folder with this checkout's .venv
+linked in (the package is installed there); its cluster and broker use free ports."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import psycopg
+import pytest
+
+from conftest import ROOT, free_port
+
+README = ROOT / "README.md"
+
+
+def try_it_block() -> str:
+    """The bash block under the README's "### Try it"."""
+    text = README.read_text()
+    section = text.split("### Try it", 1)[1]
+    return re.search(r"```bash\n(.*?)```", section, re.S).group(1)
+
+
+def json_documents(text: str) -> list:
+    """The JSON answers curl printed one after the other (no newline between them)."""
+    decoder, out, i = json.JSONDecoder(), [], 0
+    while i < len(text):
+        if text[i].isspace():
+            i += 1
+            continue
+        doc, i = decoder.raw_decode(text, i)
+        out.append(doc)
+    return out
+
+
+class MakeRun:
+    """`make -s run` in `checkout`, its output collected, stopped with SIGTERM to its group."""
+
+    def __init__(self, checkout: Path, pg_port: int, http_port: int):
+        env = {k: v for k, v in os.environ.items() if not k.startswith("QUEEN_")}
+        env.update(QUEEN_PG_PORT=str(pg_port), QUEEN_PORT=str(http_port), QUEEN_PG_FSYNC="off")
+        self.url = f"http://127.0.0.1:{http_port}"
+        self.lines: list[str] = []
+        self.proc = subprocess.Popen(["make", "-s", "run"], cwd=checkout, env=env, stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.append(line.rstrip("\n"))
+
+    def wait_healthy(self, seconds: float = 90) -> None:
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, "make run ended:\n" + "\n".join(self.lines)
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise AssertionError("make run's broker never answered /health:\n" + "\n".join(self.lines))
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=10)
+        self._reader.join(timeout=5)
+
+
+@pytest.fixture
+def fresh_checkout():
+    checkout = Path(tempfile.mkdtemp(prefix="queen-quick-start-", dir="/tmp"))
+    checkout.chmod(0o755)  # the cluster may run as `postgres` (root): it must reach .queen/pg
+    shutil.copy2(ROOT / "Makefile", checkout / "Makefile")
+    shutil.copytree(ROOT / "scripts", checkout / "scripts")
+    (checkout / ".venv").symlink_to(ROOT / ".venv")
+    try:
+        yield checkout
+    finally:
+        subprocess.run([str(checkout / "scripts" / "pg-cluster"), "stop", str(checkout / ".queen" / "pg")],
+                       check=False, capture_output=True)
+        shutil.rmtree(checkout, ignore_errors=True)
+
+
+def test_make_run_then_the_readmes_try_it_block(fresh_checkout):
+    checkout, pg_port, http_port = fresh_checkout, free_port(), free_port()
+    assert not (checkout / ".queen").exists()
+    first = MakeRun(checkout, pg_port, http_port)
+    try:
+        first.wait_healthy()
+        db_url = f"postgresql://postgres@127.0.0.1:{pg_port}/queen"
+        assert f"embedded PostgreSQL: data directory {checkout}/.queen/pg/data" in first.lines
+        assert any(db_url in line and "make stop-db" in line for line in first.lines), first.lines
+        assert f"queen-timers broker on http://127.0.0.1:{http_port}" in first.lines
+        assert (checkout / ".queen" / "pg" / "data" / "PG_VERSION").exists()
+
+        # the block as printed, with B pointing at this broker instead of :6632
+        block = try_it_block()
+        assert "B=http://localhost:6632\n" in block
+        script = block.replace("B=http://localhost:6632\n", f"B=http://127.0.0.1:{http_port}\n")
+        done = subprocess.run(["bash", "-euo", "pipefail", "-c", script], capture_output=True, text=True,
+                              timeout=60)
+        assert done.returncode == 0, done.stderr
+        scheduled, peeked, popped, cancelled = json_documents(done.stdout)
+
+        result = scheduled["results"][0]
+        assert (result["ok"], result["status"], result["queue"], result["timerKey"], result["txn"]) == \
+            (True, "scheduled", "reminders", "trial:acme:day7", "trial-acme-day7-v1")
+        assert peeked["found"] is True and peeked["claimed"] is False
+        assert peeked["payload"] == "eyJraW5kIjoiZGF5NyJ9"
+        assert popped["success"] is True and popped["queue"] == "reminders" and popped["partition"] == "Default"
+        (frame,) = popped["messages"]
+        # "The frame's messageId is the one returned at schedule time"
+        assert frame["id"] == result["messageId"]
+        assert frame["transactionId"] == "trial-acme-day7-v1"
+        assert frame["data"] == {"kind": "day7"} and frame["payloadBase64"] == "eyJraW5kIjoiZGF5NyJ9"
+        assert cancelled == {"ok": False, "status": "absent", "queue": "reminders", "timerKey": "trial:acme:day7",
+                             "txn": "trial-acme-day7-v1"}
+        with httpx.Client(base_url=first.url) as c:  # one more, far out, to find after the restart
+            r = c.post("/api/v1/timers", json={"operations": [
+                {"op": "schedule", "queue": "reminders", "timerKey": "later", "delayMs": 3_600_000, "txn": "later-v1",
+                 "payload": "bGF0ZXI="}]})
+            assert r.status_code == 200 and r.json()["results"][0]["status"] == "scheduled", r.text
+    finally:
+        first.stop()
+    assert first.proc.returncode is not None
+
+    # the second make run: the same cluster (no initdb), the same data, the same broker port
+    version_mtime = (checkout / ".queen" / "pg" / "data" / "PG_VERSION").stat().st_mtime_ns
+    again = MakeRun(checkout, pg_port, http_port)
+    try:
+        again.wait_healthy()
+        assert f"embedded PostgreSQL: data directory {checkout}/.queen/pg/data" in again.lines
+        assert (checkout / ".queen" / "pg" / "data" / "PG_VERSION").stat().st_mtime_ns == version_mtime
+        with httpx.Client(base_url=again.url) as c:
+            assert c.get("/api/v1/timers/reminders/later").json()["found"] is True
+        with psycopg.connect(f"postgresql://postgres@127.0.0.1:{pg_port}/queen") as conn:
+            n = conn.execute("SELECT count(*) FROM queen.messages WHERE transaction_id = 'trial-acme-day7-v1'")
+            assert n.fetchone()[0] == 1
+    finally:
+        again.stop()
