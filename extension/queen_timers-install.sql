@@ -3159,13 +3159,22 @@ $$;
 -- (acked, failed, retried) or another tenant's answers 'Lease not found';
 -- one whose expiry has passed answers 'Lease already expired' (a pop may
 -- take the partition again). renewed counts the partitions extended.
+-- The lease is found by partition_consumers_lease_idx whatever the
+-- statistics say (migration 029): the id is read by queen.lease_uuid (the
+-- canonical form in either case; anything else, or NULL, is no lease, as
+-- the text comparison it replaces matched), the lookups' one indexable
+-- condition is the lease (the tenant is a lookup of the row's partition by
+-- its key), and seq and plain index scans are off, so the lease index is
+-- read by a bitmap scan. A plain index scan of the primary key serves the
+-- ORDER BY (the lock order) with no sort: with the statistics of an empty
+-- table the planner chose it, and a renew read every cursor row.
 CREATE FUNCTION queen.extend_lease(
     p_tenant   text,
     p_lease_id text,
     p_seconds  integer     DEFAULT 60,
     p_now      timestamptz DEFAULT NULL)
 RETURNS TABLE (lease_id text, success boolean, error text, expires_at timestamptz, renewed integer)
-LANGUAGE plpgsql AS $$
+LANGUAGE plpgsql SET enable_seqscan = off SET enable_indexscan = off AS $$
 #variable_conflict use_column
 DECLARE
     v_now     timestamptz := coalesce(p_now, now());
@@ -3179,9 +3188,9 @@ BEGIN
     WITH mine AS (
         SELECT pc.partition_id, pc.consumer_group
           FROM queen.partition_consumers pc
-          JOIN queen.partitions p ON p.id = pc.partition_id
-          JOIN queen.queues q ON q.id = p.queue_id
-         WHERE q.tenant = p_tenant AND pc.lease_id::text = lower(p_lease_id) AND pc.lease_expires_at > v_now
+         WHERE pc.lease_id = queen.lease_uuid(p_lease_id) AND pc.lease_expires_at > v_now
+           AND (SELECT q.tenant FROM queen.partitions p JOIN queen.queues q ON q.id = p.queue_id
+                 WHERE p.id = pc.partition_id) = p_tenant
          ORDER BY pc.partition_id, pc.consumer_group
            FOR UPDATE OF pc
     ), ext AS (
@@ -3199,9 +3208,9 @@ BEGIN
     RETURN QUERY
     SELECT p_lease_id, false,
            CASE WHEN EXISTS (SELECT 1 FROM queen.partition_consumers pc
-                               JOIN queen.partitions p ON p.id = pc.partition_id
-                               JOIN queen.queues q ON q.id = p.queue_id
-                              WHERE q.tenant = p_tenant AND pc.lease_id::text = lower(p_lease_id))
+                              WHERE pc.lease_id = queen.lease_uuid(p_lease_id)
+                                AND (SELECT q.tenant FROM queen.partitions p JOIN queen.queues q ON q.id = p.queue_id
+                                      WHERE p.id = pc.partition_id) = p_tenant)
                 THEN 'Lease already expired' ELSE 'Lease not found' END,
            NULL::timestamptz, 0;
 END
@@ -3590,5 +3599,6 @@ INSERT INTO queen.schema_migrations (version, name) VALUES
     (25, 'fire_plan_settings'),
     (26, 'pop_bounded'),
     (27, 'consumer_plans'),
-    (28, 'required_leases');
+    (28, 'required_leases'),
+    (29, 'extend_lease_index');
 COMMIT;

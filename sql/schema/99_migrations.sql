@@ -30,4 +30,5 @@ INSERT INTO queen.schema_migrations (version, name) VALUES
     (25, 'fire_plan_settings'),
     (26, 'pop_bounded'),
     (27, 'consumer_plans'),
-    (28, 'required_leases');
+    (28, 'required_leases'),
+    (29, 'extend_lease_index');
