@@ -263,8 +263,10 @@ class JsonErrorHttpToolsProtocol(HttpToolsProtocol):
 
     def park(self, scope: dict) -> bool:
         """Hold the release of `scope`'s budget weight and slot until this connection's
-        answers have left the buffer (or the connection is gone); False: nothing to wait for."""
-        if not self.flow.write_paused or self.transport.is_closing():
+        answers have left the buffer (or the connection is gone); False: nothing to wait for.
+        A transport closing after its answer (the client sent Connection: close) still holds
+        it until the client takes it; a lost connection's flow is no longer paused."""
+        if not self.flow.write_paused:
             return False
         if self._parked is None:
             self._parked = []
@@ -310,7 +312,9 @@ class JsonErrorHttpToolsProtocol(HttpToolsProtocol):
 
     def _watch_send(self) -> None:
         self._send_watch = None
-        if not self.flow.write_paused or self.transport.is_closing():
+        # a closing transport is watched too: it closes only once its buffer has left,
+        # and a client that sent Connection: close and reads nothing held it for ever
+        if not self.flow.write_paused:
             return
         left, now = self._unsent(), self.loop.time()
         if left < self._send_left:  # the client took some: it is reading, however slowly

@@ -344,6 +344,40 @@ def test_an_answer_the_client_does_not_take_is_weighed_until_it_leaves_and_reset
         assert c.get("/health").status_code == 200
 
 
+@pytest.mark.parametrize("request_line, header", [("HTTP/1.1", "Connection: close\r\n"), ("HTTP/1.0", "")])
+def test_an_unread_answer_on_a_connection_closing_after_it_is_weighed_and_reset_too(
+        spawn_broker, db, request_line, header):
+    # the transport closes once its buffer has left: the send watch stopped at "closing" and
+    # the budget let the weight go, so the answer stayed in the broker's memory for ever
+    b = spawn_broker(QUEEN_SEND_TIMEOUT_MS="1500")
+    with b.client(timeout=60) as c:
+        r = c.post("/api/v1/push", json={"items": [{"queue": "big", "payload": {"blob": "z" * 2000}}] * 3500})
+        assert r.status_code == 201, r.text
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect(("127.0.0.1", b.port))
+    try:
+        sock.sendall(f"GET /api/v1/pop/queue/big?batch=3500 {request_line}\r\nHost: x\r\n{header}\r\n".encode())
+        deadline = time.monotonic() + 10
+        while budget_in_use(b) == 0:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        time.sleep(1.0)  # the pop is long done: its answer waits in the buffer, weighed
+        assert budget_in_use(b) > 0
+        deadline = time.monotonic() + 10
+        while budget_in_use(b) != 0:
+            assert time.monotonic() < deadline, "the weight came back when the connection was reset"
+            time.sleep(0.05)
+        sock.settimeout(5)
+        with pytest.raises(ConnectionResetError):
+            while sock.recv(65536):
+                pass
+    finally:
+        sock.close()
+    text = httpx.get(f"{b.url}/metrics/prometheus", timeout=10).text
+    assert re.search(r"^queen_timers_http_send_timeouts_total 1\.0$", text, re.M), text
+
+
 # ---------------------------------------------------------------------------
 # the open-files limit: the connection limit is one the process can keep
 # ---------------------------------------------------------------------------
