@@ -202,6 +202,10 @@ class BrokerApp(Starlette):
     auth: Authenticator | None = None
     on_connection_reclaimed = staticmethod(lambda: None)  # server.py closed an idle connection to admit one
     on_send_timed_out = staticmethod(lambda: None)  # server.py closed a connection whose client took no answer
+    draining = False  # the broker is stopping: a long-poll pop answers what it has at once
+
+    def begin_drain(self) -> None:
+        self.draining = True
 
     async def take_turn(self, scope) -> None:
         wait = self.turns.start(self.auth.turn_key(scope))

@@ -33,6 +33,9 @@ from .errors import SQLSTATE_HTTP, ApiError
 
 EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
 TIMER_DLQ_GROUP = "__QUEEN_TIMERS__"
+# a stop: how long past QUEEN_SHUTDOWN_TIMEOUT_MS a request in its database call may go on
+# (the default statement timeout, 5 s, and a second) before uvicorn cancels it
+STOP_GRACE_S = 6
 
 # `status` reads: per-queue timer counts from queen.get_timer_stats (the
 # numbers the dashboard shows; one bucket, the histogram is not printed) and
@@ -253,8 +256,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     uvicorn.run(app, host=settings.host, port=settings.port,
                 log_level="warning", access_log=False, loop="uvloop",
                 http=JsonErrorHttpToolsProtocol.with_timeouts(settings.head_timeout_ms / 1000,
-                                                              settings.send_timeout_ms / 1000),
+                                                              settings.send_timeout_ms / 1000,
+                                                              settings.shutdown_timeout_ms / 1000),
                 limit_concurrency=settings.max_connections,
+                # the last resort of a stop: server.py ends what clients hold at
+                # QUEEN_SHUTDOWN_TIMEOUT_MS; a request still in its database call
+                # STOP_GRACE_S later is cancelled
+                timeout_graceful_shutdown=settings.shutdown_timeout_ms / 1000 + STOP_GRACE_S,
                 # nothing reads the client's address: X-Forwarded-For is not rewritten into it
                 proxy_headers=False)
     return EXIT_OK

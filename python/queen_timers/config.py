@@ -117,6 +117,8 @@ class Settings:
     # connections (server.py): the request head's deadline, and connections or requests at once
     head_timeout_ms: int = 10000
     send_timeout_ms: int = 60000
+    # a stop (SIGTERM): how long the requests in flight may take before they are cancelled
+    shutdown_timeout_ms: int = 10000
     # a pop's stored payload bytes (queen.pop_messages p_max_bytes; the first message always goes)
     pop_max_bytes: int = 16 * 1024 * 1024
     max_connections: int = 1000
@@ -174,6 +176,7 @@ class Settings:
             body_timeout_ms=_int(env, "QUEEN_BODY_TIMEOUT_MS", 120000, 1),
             head_timeout_ms=_int(env, "QUEEN_HEAD_TIMEOUT_MS", 10000, 1),
             send_timeout_ms=_int(env, "QUEEN_SEND_TIMEOUT_MS", 60000, 1),
+            shutdown_timeout_ms=_int(env, "QUEEN_SHUTDOWN_TIMEOUT_MS", 10000, 0),
             max_connections=(max_conn := _int(env, "QUEEN_MAX_CONNECTIONS", 1000, 1)),
             tenant_max_requests=_int(env, "QUEEN_TENANT_MAX_REQUESTS", tenant_share(max_conn, auth), 1),
             json_max_values=_int(env, "QUEEN_JSON_MAX_VALUES", 1_000_000, 1),

@@ -311,8 +311,8 @@ async def pop(request: Request) -> Response:
         # from here on the answer weighs what it holds (a long poll's sleep weighs nothing)
         weigh_fetched(request, sum(len(r["payload"]) for r in rows), len(rows))
         remaining = deadline - time.monotonic()
-        if rows or not wait or remaining <= 0:
-            break
+        if rows or not wait or remaining <= 0 or getattr(request.app, "draining", False):
+            break  # draining: the broker is stopping, and the client polls another (or this one again)
         await asyncio.sleep(min(sleep, remaining))
         sleep = min(sleep * 2, 0.5)
     if not rows:

@@ -105,6 +105,11 @@ BUSY_BODY = json.dumps({
     "error": "timers_unavailable",
     "detail": "the broker is serving QUEEN_MAX_CONNECTIONS requests at once; retry",
 }).encode()
+STOPPING_BODY = json.dumps({
+    "error": "timers_unavailable",
+    "detail": "the broker is stopping and this request's body had not all come within "
+              "QUEEN_SHUTDOWN_TIMEOUT_MS; nothing was written: retry",
+}).encode()
 RECLAIMED_BODY = json.dumps({
     "error": "timers_unavailable",
     "detail": "the broker holds QUEEN_MAX_CONNECTIONS connections and closed this one, whose request "
@@ -207,6 +212,8 @@ async def _no_body() -> dict:
 class JsonErrorHttpToolsProtocol(HttpToolsProtocol):
     head_timeout_s = 10.0  # with_timeouts() makes a class with the broker's settings
     send_timeout_s = 60.0
+    shutdown_timeout_s = 10.0
+    _drain_timer: asyncio.TimerHandle | None = None
     _head_bytes = 0
     _head_open = False  # a request has begun and its headers are not complete
     _raw_head = 0       # bytes received while a head stayed open
@@ -220,8 +227,10 @@ class JsonErrorHttpToolsProtocol(HttpToolsProtocol):
     _parked: list | None = None  # requests whose answer is still in the buffer (park)
 
     @classmethod
-    def with_timeouts(cls, head_seconds: float, send_seconds: float) -> type["JsonErrorHttpToolsProtocol"]:
-        return type(cls.__name__, (cls,), {"head_timeout_s": head_seconds, "send_timeout_s": send_seconds})
+    def with_timeouts(cls, head_seconds: float, send_seconds: float,
+                      shutdown_seconds: float = 10.0) -> type["JsonErrorHttpToolsProtocol"]:
+        return type(cls.__name__, (cls,), {"head_timeout_s": head_seconds, "send_timeout_s": send_seconds,
+                                           "shutdown_timeout_s": shutdown_seconds})
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -243,6 +252,9 @@ class JsonErrorHttpToolsProtocol(HttpToolsProtocol):
 
     def connection_lost(self, exc) -> None:
         self._stop_head_timer()
+        if self._drain_timer is not None:
+            self._drain_timer.cancel()
+            self._drain_timer = None
         if self._keep_timer is not None:
             self._keep_timer.cancel()
             self._keep_timer = None
@@ -351,6 +363,33 @@ class JsonErrorHttpToolsProtocol(HttpToolsProtocol):
         # a task that has just answered leaves the set a loop turn later (its done callback):
         # a keep-alive client's next request must not be refused for its own last one
         return sum(1 for task in self.tasks if not task.done()) >= self.max_requests
+
+    # -- a stop (SIGTERM) ---------------------------------------------------
+    # uvicorn closes the idle connections, lets each request in flight finish and
+    # waits for every connection to close, for ever by default: a client trickling
+    # a body (QUEEN_BODY_TIMEOUT_MS, 120 s) or slowly reading an answer held a stop
+    # that long. The app's long polls answer at once (app.begin_drain); after
+    # shutdown_timeout_s (QUEEN_SHUTDOWN_TIMEOUT_MS) a request still receiving its
+    # body is answered 503 (it has written nothing) and a connection whose client
+    # has yet to take an answer is reset. A request in its database call is left to
+    # end (its statement timeout bounds it); cli.py gives uvicorn a later deadline
+    # that cancels anything left.
+
+    def shutdown(self) -> None:
+        getattr(self.app, "begin_drain", _nothing)()
+        super().shutdown()
+        if self._drain_timer is None:  # closing too: an answer may still wait for its client
+            self._drain_timer = self.loop.call_later(self.shutdown_timeout_s, self._drain_lapsed)
+
+    def _drain_lapsed(self) -> None:
+        self._drain_timer = None  # connection_lost cancels it: the connection is still here
+        cycle = self.cycle
+        if cycle is not None and not cycle.response_complete and not getattr(cycle, "response_started", False):
+            if cycle.more_body and not isinstance(cycle, DirectCycle) and not self.transport.is_closing():
+                cycle.disconnected = True  # the request's own answer, if it ever comes, is dropped
+                self._send_json(503, STOPPING_BODY, ((b"retry-after", b"1"),))
+            return  # in its database call: its statement timeout ends it
+        self.transport.abort()  # an answer the client has not taken (closing or not), or no request
 
     def on_response_complete(self) -> None:
         if self.pipeline or self.transport.is_closing():
