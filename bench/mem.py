@@ -12,7 +12,8 @@ Kinds, each sent by 8 clients at once (tenant `flood`):
   pop      what the pushes left, by batches of 10,000 (QUEEN_POP_MAX_BYTES bounds each)
   unread   3 pops per client of 3,500 messages of 2 KB (a 17 MB answer each) whose clients
            never read the answer, held for --mem-unread-s seconds: the answers wait in the
-           broker's buffers, weighed in the body budget (before 40ec5d9 they weighed nothing)
+           broker's buffers, weighed in the body budget (before 40ec5d9 they weighed nothing;
+           every other one sends Connection: close, which let its weight go before 377f526)
 Meanwhile tenant `quiet` sends DELETEs at --mem-delete-rate/s on its own connection.
 
 Printed: the broker's idle RSS, its peak RSS per kind (VmHWM, reset before each
@@ -115,12 +116,14 @@ def unread_pops(b, pid: int, clients: int, hold_s: float) -> dict:
     socks = []
     t = time.monotonic()
     try:
-        for q in queues:
+        for k, q in enumerate(queues):
             sock = socket.socket()
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
             sock.connect(("127.0.0.1", b.port))
+            # every other one asks to close after its answer: such a connection is watched too
+            close = "Connection: close\r\n" if k % 2 else ""
             sock.sendall(f"GET /api/v1/pop/queue/{q}?batch=3500 HTTP/1.1\r\nHost: x\r\n"
-                         f"Authorization: {bearer('flood')}\r\n\r\n".encode())
+                         f"Authorization: {bearer('flood')}\r\n{close}\r\n".encode())
             socks.append(sock)
         time.sleep(hold_s)
         text = b.metrics()
