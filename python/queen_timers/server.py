@@ -57,6 +57,8 @@ from .config import tenant_share
 from .convertors import RAW_PATH_KEY
 
 MAX_HEAD_BYTES = 16 * 1024  # h11's max_incomplete_event_size default, uvicorn's h11 limit
+# requests a connection may have queued behind the one being served (HTTP/1.1 pipelining)
+MAX_PIPELINED = 32
 # file descriptors a broker needs besides its HTTP connections: its database connections
 # (the request and read pools, the sweeper's, retention's), the listening socket, stdio, logs
 OTHER_FILES = 64
@@ -225,6 +227,7 @@ class JsonErrorHttpToolsProtocol(HttpToolsProtocol):
     _send_left = 0       # bytes the client had not taken at the last look (_unsent)
     _send_progress = 0.0  # when the client last took some of them
     _parked: list | None = None  # requests whose answer is still in the buffer (park)
+    _refusing = False  # MAX_PIPELINED queued: the rest of what the client sent is dropped
 
     @classmethod
     def with_timeouts(cls, head_seconds: float, send_seconds: float,
@@ -440,7 +443,26 @@ class JsonErrorHttpToolsProtocol(HttpToolsProtocol):
             return
         self._send_json(408, HEAD_TIMEOUT_BODY)
 
+    # -- pipelining -----------------------------------------------------------
+    # llhttp parses a whole chunk (up to 256 KB) at once and uvicorn queues every
+    # request in it behind the one being served: 256 KB of tiny requests held 5 MB
+    # on one connection, outside any budget. Past MAX_PIPELINED queued, the
+    # connection answers those and closes after the last (Connection: close), as
+    # nginx's keepalive_requests closes one; the rest of the chunk is parsed and
+    # dropped, and what comes after is not read. A client sends what was not
+    # answered again on a new connection (RFC 9112 9.3.2).
+
+    def _queue_full(self) -> bool:
+        if len(self.pipeline) < MAX_PIPELINED:
+            return False
+        self._refusing = True
+        self.pipeline[0][0].keep_alive = False  # the newest queued: the connection's last answer
+        self.flow.pause_reading()
+        return True
+
     def on_message_begin(self) -> None:
+        if self._refusing:
+            return  # nothing of a dropped request is built (uvicorn's callbacks below are skipped too)
         self._head_bytes = 0
         self._head_open = True
         self._raw_head = 0
@@ -450,6 +472,8 @@ class JsonErrorHttpToolsProtocol(HttpToolsProtocol):
 
     def on_headers_complete(self) -> None:
         self._head_open = False  # the head's timer lapses when it finds no head open
+        if self._refusing or self._queue_full():
+            return
         self._idle.pop(self, None)  # serving a request: never reclaimed
         self.scope[PROTOCOL_KEY] = self  # bodies.release_body parks the request's release here
         if self._direct():
@@ -538,6 +562,9 @@ class JsonErrorHttpToolsProtocol(HttpToolsProtocol):
         self.on_response_complete()
 
     def data_received(self, data: bytes) -> None:
+        if self._refusing:  # the last queued answer closes the connection; nothing more is read
+            self.flow.pause_reading()
+            return
         # httptools buffers a header's name or value until it ends, so on_header
         # alone would let a header that never ends grow without bound: count the
         # bytes of every chunk after which the head is still open.
@@ -549,16 +576,28 @@ class JsonErrorHttpToolsProtocol(HttpToolsProtocol):
                 self.send_400_response("request head too large")
 
     def on_url(self, url: bytes) -> None:  # called once per chunk of the request target
+        if self._refusing:
+            return
         self._head_bytes += len(url)
         if self._head_bytes > MAX_HEAD_BYTES:
             raise HeadTooLarge
         super().on_url(url)
 
     def on_header(self, name: bytes, value: bytes) -> None:
+        if self._refusing:
+            return
         self._head_bytes += len(name) + len(value) + 4  # ": " and CRLF
         if self._head_bytes > MAX_HEAD_BYTES:
             raise HeadTooLarge
         super().on_header(name, value)
+
+    def on_body(self, body: bytes) -> None:
+        if not self._refusing:
+            super().on_body(body)
+
+    def on_message_complete(self) -> None:
+        if not self._refusing:
+            super().on_message_complete()
 
     def send_400_response(self, msg: str) -> None:  # overrides uvicorn's text/plain answer
         self._send_json(400, BAD_REQUEST_BODY)

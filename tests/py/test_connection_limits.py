@@ -379,6 +379,81 @@ def test_an_unread_answer_on_a_connection_closing_after_it_is_weighed_and_reset_
 
 
 # ---------------------------------------------------------------------------
+# pipelining: the requests queued behind the one being served are bounded
+# ---------------------------------------------------------------------------
+
+PIPELINED = 32  # server.MAX_PIPELINED
+
+
+def read_answers(sock: socket.socket) -> list[tuple[int, dict, bytes]]:
+    """Every answer on the connection until the broker closes it."""
+    data = b""
+    sock.settimeout(30)
+    while chunk := sock.recv(1 << 20):
+        data += chunk
+    answers = []
+    while data:
+        head, _, data = data.partition(b"\r\n\r\n")
+        lines = head.split(b"\r\n")
+        headers = {k.decode().lower(): v.decode() for k, _, v in (line.partition(b": ") for line in lines[1:])}
+        n = int(headers["content-length"])
+        answers.append((int(lines[0].split()[1]), headers, data[:n]))
+        data = data[n:]
+    return answers
+
+
+def test_a_pipelined_flood_is_answered_up_to_the_queue_and_the_connection_closes(spawn_broker, db):
+    """uvicorn parsed every request of a chunk and queued each: 256 KB of tiny pipelined
+    requests held 5 MB on one connection (50 connections: a quarter of a GB), whatever the
+    budget said. The requests queued behind the one being served are now at most 32: those
+    are answered, in order, the last with Connection: close, and the client sends the rest
+    again on a new connection (RFC 9112 9.3.2), as nginx's keepalive_requests makes it."""
+    b = spawn_broker()
+    with b.client() as c:
+        assert c.post("/api/v1/timers", json={"operations": [op("schedule", "k0")]}).status_code == 200
+    one = b"DELETE /api/v1/timers/reminders/k0 HTTP/1.1\r\nHost: x\r\n\r\n"
+    with socket.create_connection(("127.0.0.1", b.port), timeout=30) as sock:
+        sock.sendall(one * 1000)
+        answers = read_answers(sock)
+    assert len(answers) == 1 + PIPELINED
+    assert [json.loads(body)["status"] for _, _, body in answers] == ["cancelled"] + ["absent"] * PIPELINED
+    assert all(status == 200 for status, _, _ in answers)
+    assert answers[-1][1].get("connection") == "close"
+    assert all("connection" not in headers for _, headers, _ in answers[:-1])
+
+    # the memory it may hold: 50 connections each sending a megabyte of tiny requests, unread
+    pid = b.proc.pid
+
+    def rss_mb() -> float:
+        text = open(f"/proc/{pid}/status").read()
+        return int(re.search(r"VmRSS:\s+(\d+)", text).group(1)) / 1024
+
+    before = rss_mb()
+    tiny = b"GET /nope HTTP/1.1\r\nHost: x\r\n\r\n" * ((1 << 20) // 31)
+    socks = []
+    try:
+        for _ in range(50):
+            sock = socket.socket()
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            sock.connect(("127.0.0.1", b.port))
+            sock.setblocking(False)
+            try:
+                sock.send(tiny)
+            except BlockingIOError:
+                pass
+            socks.append(sock)
+        time.sleep(2)
+        grown = rss_mb() - before
+        assert grown < 60, f"{grown:.0f} MB for 50 pipelining connections"
+    finally:
+        for sock in socks:
+            sock.close()
+    with b.client() as c:
+        assert c.get("/health").status_code == 200
+    assert "Traceback" not in b.log_path.read_text()
+
+
+# ---------------------------------------------------------------------------
 # the open-files limit: the connection limit is one the process can keep
 # ---------------------------------------------------------------------------
 
