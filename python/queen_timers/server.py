@@ -595,6 +595,18 @@ class JsonErrorHttpToolsProtocol(HttpToolsProtocol):
         if not self._refusing:
             super().on_body(body)
 
+    _upgrade_noted = False
+
+    def _unsupported_upgrade_warning(self) -> None:
+        # uvicorn logs two warnings (183 bytes) for every request asking for a WebSocket,
+        # credential or not: a client could fill the disk. The broker has no WebSocket
+        # route and serves such a request as plain HTTP (RFC 9110 7.8 lets it ignore
+        # Upgrade); that is said once per process.
+        if not JsonErrorHttpToolsProtocol._upgrade_noted:
+            JsonErrorHttpToolsProtocol._upgrade_noted = True
+            self.logger.warning("a request asked to upgrade the connection (WebSocket); the broker has no "
+                             "WebSocket route and serves such requests as plain HTTP (said once)")
+
     def on_message_complete(self) -> None:
         if not self._refusing:
             super().on_message_complete()

@@ -453,6 +453,19 @@ def test_a_pipelined_flood_is_answered_up_to_the_queue_and_the_connection_closes
     assert "Traceback" not in b.log_path.read_text()
 
 
+def test_requests_asking_for_a_websocket_are_served_as_http_and_log_nothing_each(spawn_broker, db):
+    # uvicorn logged two warnings (183 bytes) for each, with or without a credential
+    b = spawn_broker()
+    logged = b.log_path.stat().st_size
+    with socket.create_connection(("127.0.0.1", b.port), timeout=10) as sock:
+        for _ in range(200):
+            sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n"
+                         b"Sec-WebSocket-Version: 13\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n\r\n")
+            status, _, text = read_response(sock)
+            assert status == 200 and json.loads(text)["status"] == "healthy"
+    assert b.log_path.stat().st_size - logged < 400, b.log_path.read_text()[logged:]
+
+
 # ---------------------------------------------------------------------------
 # the open-files limit: the connection limit is one the process can keep
 # ---------------------------------------------------------------------------
