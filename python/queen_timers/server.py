@@ -133,6 +133,22 @@ httptools_impl.service_unavailable = json_service_unavailable
 h11_impl.service_unavailable = json_service_unavailable
 
 
+class ProtocolLog(logging.LoggerAdapter):
+    """uvicorn.error as the protocol and its request cycles use it, less the warning uvicorn
+    writes for every request it cannot parse: answered (a JSON 400) and closed, that is the
+    client's mistake, and with one connection each a client could fill the broker's log."""
+
+    QUIET = frozenset({"Invalid HTTP request received."})
+
+    @property
+    def level(self) -> int:  # uvicorn reads logger.level
+        return self.logger.level
+
+    def warning(self, msg, *args, **kwargs) -> None:
+        if msg not in self.QUIET:
+            self.logger.warning(msg, *args, **kwargs)
+
+
 class HeadTooLarge(Exception):
     """Raised from a parser callback: llhttp stops and raises HttpParserCallbackError."""
 
@@ -237,6 +253,7 @@ class JsonErrorHttpToolsProtocol(HttpToolsProtocol):
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
+        self.logger = ProtocolLog(self.logger, {})
         # uvicorn's check counts connections as well as requests; _busy counts requests
         self.max_requests, self.limit_concurrency = self.limit_concurrency, None
         state = self.server_state

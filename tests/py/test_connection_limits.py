@@ -453,6 +453,20 @@ def test_a_pipelined_flood_is_answered_up_to_the_queue_and_the_connection_closes
     assert "Traceback" not in b.log_path.read_text()
 
 
+def test_requests_the_parser_refuses_are_answered_in_json_and_log_nothing(spawn_broker, db):
+    # uvicorn logged "Invalid HTTP request received." for each: one connection a line
+    b = spawn_broker()
+    logged = b.log_path.stat().st_size
+    for garbage in (b"GARBAGE\r\n\r\n", b"GET / HTTP/9.9\r\n\r\n", b"GET /\x00 HTTP/1.1\r\n\r\n") * 40:
+        with socket.create_connection(("127.0.0.1", b.port), timeout=10) as sock:
+            sock.sendall(garbage)
+            status, _, text = read_response(sock)
+            assert status == 400 and json.loads(text)["error"] == "timers_bad_request", (garbage, text)
+    assert b.log_path.stat().st_size == logged, b.log_path.read_text()[logged:]
+    with b.client() as c:
+        assert c.get("/health").status_code == 200
+
+
 def test_requests_asking_for_a_websocket_are_served_as_http_and_log_nothing_each(spawn_broker, db):
     # uvicorn logged two warnings (183 bytes) for each, with or without a credential
     b = spawn_broker()
