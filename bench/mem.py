@@ -120,8 +120,9 @@ def unread_pops(b, pid: int, clients: int, hold_s: float) -> dict:
             sock = socket.socket()
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
             sock.connect(("127.0.0.1", b.port))
-            # every other one asks to close after its answer: such a connection is watched too
-            close = "Connection: close\r\n" if k % 2 else ""
+            # every other one, the first included (the budget admits one at a time at the
+            # defaults), asks to close after its answer: such a connection is watched too
+            close = "" if k % 2 else "Connection: close\r\n"
             sock.sendall(f"GET /api/v1/pop/queue/{q}?batch=3500 HTTP/1.1\r\nHost: x\r\n"
                          f"Authorization: {bearer('flood')}\r\n{close}\r\n".encode())
             socks.append(sock)
