@@ -612,6 +612,10 @@ class JsonErrorHttpToolsProtocol(HttpToolsProtocol):
         if not self._refusing:
             super().on_body(body)
 
+    def on_message_complete(self) -> None:
+        if not self._refusing:
+            super().on_message_complete()
+
     _upgrade_noted = False
 
     def _unsupported_upgrade_warning(self) -> None:
@@ -622,11 +626,7 @@ class JsonErrorHttpToolsProtocol(HttpToolsProtocol):
         if not JsonErrorHttpToolsProtocol._upgrade_noted:
             JsonErrorHttpToolsProtocol._upgrade_noted = True
             self.logger.warning("a request asked to upgrade the connection (WebSocket); the broker has no "
-                             "WebSocket route and serves such requests as plain HTTP (said once)")
-
-    def on_message_complete(self) -> None:
-        if not self._refusing:
-            super().on_message_complete()
+                                "WebSocket route and serves such requests as plain HTTP (said once)")
 
     def send_400_response(self, msg: str) -> None:  # overrides uvicorn's text/plain answer
         self._send_json(400, BAD_REQUEST_BODY)
