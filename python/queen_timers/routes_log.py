@@ -315,6 +315,8 @@ async def pop(request: Request) -> Response:
             break  # draining: the broker is stopping, and the client polls another (or this one again)
         await asyncio.sleep(min(sleep, remaining))
         sleep = min(sleep * 2, 0.5)
+        if await request.is_disconnected():
+            break  # the client left the long poll: nothing more is leased, nor with autoAck consumed, for it
     if not rows:
         return Response(status_code=204)
 

@@ -59,6 +59,11 @@ from .convertors import RAW_PATH_KEY
 MAX_HEAD_BYTES = 16 * 1024  # h11's max_incomplete_event_size default, uvicorn's h11 limit
 # requests a connection may have queued behind the one being served (HTTP/1.1 pipelining)
 MAX_PIPELINED = 32
+# an answer sent before its request's body had all come (a 401, 404, 413...): the rest of
+# the body is read and dropped for at most this long and this many bytes, then the connection
+# is closed (nginx's lingering close); uvicorn read and dropped it for as long as it came
+LINGER_S = 2.0
+LINGER_BYTES = 1024 * 1024
 # file descriptors a broker needs besides its HTTP connections: its database connections
 # (the request and read pools, the sweeper's, retention's), the listening socket, stdio, logs
 OTHER_FILES = 64
@@ -244,6 +249,11 @@ class JsonErrorHttpToolsProtocol(HttpToolsProtocol):
     _send_progress = 0.0  # when the client last took some of them
     _parked: list | None = None  # requests whose answer is still in the buffer (park)
     _refusing = False  # MAX_PIPELINED queued: the rest of what the client sent is dropped
+    _events = 0          # parser callbacks so far: bytes that bring none are one unfinished token
+    _quiet = 0           # bytes received past a request's head since the parser's last callback
+    _linger_until: float | None = None  # answered, the body still coming: dropped until then
+    _linger_bytes = 0
+    _linger_timer: asyncio.TimerHandle | None = None
 
     @classmethod
     def with_timeouts(cls, head_seconds: float, send_seconds: float,
@@ -272,6 +282,7 @@ class JsonErrorHttpToolsProtocol(HttpToolsProtocol):
 
     def connection_lost(self, exc) -> None:
         self._stop_head_timer()
+        self._stop_linger()
         if self._drain_timer is not None:
             self._drain_timer.cancel()
             self._drain_timer = None
@@ -412,6 +423,10 @@ class JsonErrorHttpToolsProtocol(HttpToolsProtocol):
         self.transport.abort()  # an answer the client has not taken (closing or not), or no request
 
     def on_response_complete(self) -> None:
+        cycle = self.cycle  # the request just answered, unless others wait behind it
+        if (not self.pipeline and cycle is not None and cycle.response_complete and cycle.more_body
+                and not self.transport.is_closing()):
+            self._start_linger()
         if self.pipeline or self.transport.is_closing():
             super().on_response_complete()  # uvicorn's: the next pipelined request, or nothing
             return
@@ -424,6 +439,40 @@ class JsonErrorHttpToolsProtocol(HttpToolsProtocol):
             self._keep_timer = self.loop.call_later(self.timeout_keep_alive, self._keep_alive_lapsed)
         self._idle.pop(self, None)  # idle, waiting for the next request:
         self._idle[self] = None  # the most recently idle goes last
+
+    # -- an answer before the body, a token that never ends ------------------
+
+    def _start_linger(self) -> None:
+        self._linger_until = self.loop.time() + LINGER_S
+        self._linger_bytes = 0
+        if self._linger_timer is None:
+            self._linger_timer = self.loop.call_later(LINGER_S, self._linger_lapsed)
+
+    def _stop_linger(self) -> None:
+        self._linger_until = None
+        if self._linger_timer is not None:
+            self._linger_timer.cancel()
+            self._linger_timer = None
+
+    def _linger_lapsed(self) -> None:
+        self._linger_timer = None
+        if self._linger_until is not None:
+            self.transport.close()
+
+    # A client's end of stream (FIN) closes the connection, as uvicorn does: TCP does not tell
+    # a half-close (shutdown(SHUT_WR)) from a close, and a client gone must not keep a long
+    # poll leasing or consuming for nobody. nginx takes it the same way (its 499).
+
+    def _too_quiet(self) -> None:
+        """MAX_HEAD_BYTES past a request's head with no parser callback: a chunk-size line,
+        chunk extension or trailer that never ends (llhttp buffers it, at a cost that grows
+        with its square; the head's bound did not reach it)."""
+        cycle = self.cycle
+        if cycle is not None and not cycle.response_complete and not getattr(cycle, "response_started", False):
+            cycle.disconnected = True  # the request's own answer, if it ever comes, is dropped
+            self._send_json(400, BAD_REQUEST_BODY)
+        else:
+            self.transport.abort()
 
     def _keep_alive_lapsed(self) -> None:
         self._keep_timer = None
@@ -478,6 +527,7 @@ class JsonErrorHttpToolsProtocol(HttpToolsProtocol):
         return True
 
     def on_message_begin(self) -> None:
+        self._events += 1
         if self._refusing:
             return  # nothing of a dropped request is built (uvicorn's callbacks below are skipped too)
         self._head_bytes = 0
@@ -488,6 +538,7 @@ class JsonErrorHttpToolsProtocol(HttpToolsProtocol):
         super().on_message_begin()
 
     def on_headers_complete(self) -> None:
+        self._events += 1
         self._head_open = False  # the head's timer lapses when it finds no head open
         if self._refusing or self._queue_full():
             return
@@ -582,17 +633,32 @@ class JsonErrorHttpToolsProtocol(HttpToolsProtocol):
         if self._refusing:  # the last queued answer closes the connection; nothing more is read
             self.flow.pause_reading()
             return
+        if self._linger_until is not None:
+            self._linger_bytes += len(data)
+            if self._linger_bytes > LINGER_BYTES or self.loop.time() > self._linger_until:
+                self.transport.close()
+                return
         # httptools buffers a header's name or value until it ends, so on_header
         # alone would let a header that never ends grow without bound: count the
         # bytes of every chunk after which the head is still open.
         self._kept_since = None  # not idle: the keep-alive timer lapses when it fires
+        events = self._events
         super().data_received(data)
-        if self._head_open and not self.transport.is_closing():
+        if self.transport.is_closing():
+            return
+        if self._head_open:
             self._raw_head += len(data)
             if self._raw_head > MAX_HEAD_BYTES:
                 self.send_400_response("request head too large")
+        elif events == self._events and self.cycle is not None and self.cycle.more_body:
+            self._quiet += len(data)  # past the head, and not one callback: a token still open
+            if self._quiet > MAX_HEAD_BYTES:
+                self._too_quiet()
+        else:
+            self._quiet = 0
 
     def on_url(self, url: bytes) -> None:  # called once per chunk of the request target
+        self._events += 1
         if self._refusing:
             return
         self._head_bytes += len(url)
@@ -601,6 +667,7 @@ class JsonErrorHttpToolsProtocol(HttpToolsProtocol):
         super().on_url(url)
 
     def on_header(self, name: bytes, value: bytes) -> None:
+        self._events += 1
         if self._refusing:
             return
         self._head_bytes += len(name) + len(value) + 4  # ": " and CRLF
@@ -609,10 +676,20 @@ class JsonErrorHttpToolsProtocol(HttpToolsProtocol):
         super().on_header(name, value)
 
     def on_body(self, body: bytes) -> None:
+        self._events += 1
         if not self._refusing:
             super().on_body(body)
 
+    def on_chunk_header(self) -> None:  # defined: llhttp reports each chunk, progress for _quiet
+        self._events += 1
+
+    def on_chunk_complete(self) -> None:
+        self._events += 1
+
     def on_message_complete(self) -> None:
+        self._events += 1
+        if self._linger_until is not None:  # the body came whole: the connection goes on
+            self._stop_linger()
         if not self._refusing:
             super().on_message_complete()
 

@@ -1,0 +1,123 @@
+"""What a client can make the HTTP layer do past a request's head, with no credential needed:
+a trailer or chunk line that never ends, a body that keeps coming after its answer, a long poll
+it leaves. Each was found by an audit (uvicorn and llhttp as they are) and each
+is bounded here; the numbers in the comments are the audit's, on the code before."""
+
+from __future__ import annotations
+
+import json
+import re
+import socket
+import time
+
+import pytest
+
+from test_input_limits import read_response
+
+
+def rss_mb(pid: int) -> float:
+    return int(re.search(r"VmRSS:\s+(\d+)", open(f"/proc/{pid}/status").read()).group(1)) / 1024
+
+
+def send_for(sock: socket.socket, piece: bytes, seconds: float, most: int) -> int:
+    """Send `piece` again and again for `seconds` or `most` bytes; the bytes sent before the
+    broker closed the connection (or the time ran out)."""
+    sock.setblocking(False)
+    sent, end = 0, time.monotonic() + seconds
+    while time.monotonic() < end and sent < most:
+        try:
+            sent += sock.send(piece)
+        except BlockingIOError:
+            time.sleep(0.002)
+        except (BrokenPipeError, ConnectionResetError):
+            break
+    sock.setblocking(True)
+    return sent
+
+
+def answers_then_eof(sock: socket.socket, seconds: float = 10) -> bytes:
+    sock.settimeout(seconds)
+    data = b""
+    try:
+        while chunk := sock.recv(65536):
+            data += chunk
+    except ConnectionResetError:
+        pass
+    return data
+
+
+@pytest.mark.parametrize("path", ["/nope", "/api/v1/timers"])
+def test_a_trailer_that_never_ends_is_refused(spawn_broker, db, path):
+    # before: 120 MB sent in 15 s took the broker from 92 to 311 MB at a full core
+    # (llhttp rebuilds the unfinished value), whatever the route answered
+    b = spawn_broker()
+    before = rss_mb(b.proc.pid)
+    with socket.create_connection(("127.0.0.1", b.port), timeout=10) as sock:
+        sock.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     "Transfer-Encoding: chunked\r\n\r\n".encode() +
+                     (b"2\r\n{}\r\n" if path != "/nope" else b"") + b"0\r\nX-T: ")
+        sent = send_for(sock, b"a" * 65536, 10, 64 << 20)
+        assert sent < 8 << 20, f"{sent} bytes of one trailer taken"
+        data = answers_then_eof(sock)
+    assert rss_mb(b.proc.pid) - before < 30
+    head = data.split(b"\r\n", 1)[0]
+    if path == "/nope":  # answered before its body, then closed while the body still came
+        assert head.startswith(b"HTTP/1.1 404")
+    else:  # read its body: the endless trailer is the request's error
+        assert head.startswith(b"HTTP/1.1 400")
+        assert json.loads(data.partition(b"\r\n\r\n")[2])["error"] == "timers_bad_request"
+    with b.client() as c:
+        assert c.get("/health").status_code == 200
+    assert "Traceback" not in b.log_path.read_text()
+
+
+@pytest.mark.parametrize("framing", ["content-length", "chunks of one byte"])
+def test_a_body_that_keeps_coming_after_its_answer_is_cut_off(spawn_broker, db, framing):
+    # before: read and dropped for as long as it came, 1 GB/s at a full core, or with
+    # one-byte chunks 50 ms of CPU per MB and the loop held 0.9-1.8 s at a time
+    b = spawn_broker()
+    if framing == "content-length":
+        head, piece = b"Content-Length: 1000000000000\r\n", b"x" * 65536
+    else:
+        head, piece = b"Transfer-Encoding: chunked\r\n", b"1\r\n \r\n" * 10000
+    with socket.create_connection(("127.0.0.1", b.port), timeout=10) as sock:
+        sock.sendall(b"POST /nope HTTP/1.1\r\nHost: x\r\n" + head + b"\r\n")
+        start = time.monotonic()
+        sent = send_for(sock, piece, 15, 512 << 20)
+        took = time.monotonic() - start
+        data = answers_then_eof(sock)
+    assert took < 8, f"the broker took the body for {took:.1f} s ({sent} bytes)"
+    status, _, text = data.partition(b"\r\n")[0], None, data.partition(b"\r\n\r\n")[2]
+    assert status.startswith(b"HTTP/1.1 404") and json.loads(text)["error"] == "not_found"
+    with b.client() as c:
+        assert c.get("/health").status_code == 200
+
+
+def test_a_body_that_ends_soon_after_its_answer_keeps_the_connection(spawn_broker, db):
+    b = spawn_broker()
+    with socket.create_connection(("127.0.0.1", b.port), timeout=10) as sock:
+        sock.sendall(b"POST /nope HTTP/1.1\r\nHost: x\r\nContent-Length: 20000\r\n\r\n" + b"x" * 100)
+        status, _, _ = read_response(sock)
+        assert status == 404
+        sock.sendall(b"x" * 19900)  # the rest of it, within the linger
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        status, _, text = read_response(sock)
+        assert status == 200 and json.loads(text)["status"] == "healthy"
+
+
+def test_a_long_poll_its_client_left_consumes_nothing(spawn_broker, db):
+    # before: the poll went on for its whole timeout and, with autoAck, consumed a message
+    # pushed after the client had gone: lost
+    b = spawn_broker()
+    with b.client() as c:
+        assert c.post("/api/v1/configure", json={"queue": "zq"}).status_code == 200
+    with socket.create_connection(("127.0.0.1", b.port), timeout=10) as sock:
+        sock.sendall(b"GET /api/v1/pop/queue/zq?wait=true&timeout=20000&autoAck=true HTTP/1.1\r\nHost: x\r\n\r\n")
+        time.sleep(0.5)
+    time.sleep(1.0)  # the broker has seen the client go
+    with b.client() as c:
+        r = c.post("/api/v1/push", json={"items": [{"queue": "zq", "transactionId": "kept", "payload": {"n": 1}}]})
+        assert r.status_code == 201, r.text
+        time.sleep(1.5)  # a zombie poll would have taken it by now (it polls every 0.5 s at most)
+        r = c.get("/api/v1/pop/queue/zq", params={"autoAck": "true"})
+        assert r.status_code == 200 and [m["transactionId"] for m in r.json()["messages"]] == ["kept"]
