@@ -276,6 +276,30 @@ def test_two_busy_tenants_cannot_take_the_last_slots_from_a_third(spawn_broker, 
             sock.close()
 
 
+def assert_weighed_then_reset(b, sock: socket.socket) -> None:
+    """A pop's answer the client on `sock` does not read: weighed in the budget while it waits,
+    then the connection reset at the send timeout and the weight given back (one reset counted)."""
+    try:
+        deadline = time.monotonic() + 10
+        while budget_in_use(b) == 0:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        time.sleep(1.0)  # the pop is long done: its answer waits in the buffer, weighed
+        assert budget_in_use(b) > 0
+        deadline = time.monotonic() + 10
+        while budget_in_use(b) != 0:
+            assert time.monotonic() < deadline, "the weight came back when the connection was reset"
+            time.sleep(0.05)
+        sock.settimeout(5)
+        with pytest.raises(ConnectionResetError):
+            while sock.recv(65536):
+                pass
+    finally:
+        sock.close()
+    text = httpx.get(f"{b.url}/metrics/prometheus", timeout=10).text
+    assert re.search(r"^queen_timers_http_send_timeouts_total 1\.0$", text, re.M), text
+
+
 def test_an_answer_the_client_does_not_take_is_weighed_until_it_leaves_and_reset_after_the_send_timeout(
         spawn_broker, db):
     # before: uvicorn ended the request as soon as the answer was in the buffer, so its weight
@@ -321,25 +345,7 @@ def test_an_answer_the_client_does_not_take_is_weighed_until_it_leaves_and_reset
         slow.close()
 
     sock = pop_socket("big", rcvbuf=4096)  # the answer stays on the broker's side
-    try:
-        deadline = time.monotonic() + 10
-        while budget_in_use(b) == 0:
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
-        time.sleep(1.0)  # the pop is long done: its answer waits in the buffer, weighed
-        assert budget_in_use(b) > 0
-        deadline = time.monotonic() + 10
-        while budget_in_use(b) != 0:
-            assert time.monotonic() < deadline, "the weight came back when the connection was reset"
-            time.sleep(0.05)
-        sock.settimeout(5)
-        with pytest.raises(ConnectionResetError):
-            while sock.recv(65536):
-                pass
-    finally:
-        sock.close()
-    text = httpx.get(f"{b.url}/metrics/prometheus", timeout=10).text
-    assert re.search(r"^queen_timers_http_send_timeouts_total 1\.0$", text, re.M), text
+    assert_weighed_then_reset(b, sock)
     with b.client() as c:
         assert c.get("/health").status_code == 200
 
@@ -356,26 +362,8 @@ def test_an_unread_answer_on_a_connection_closing_after_it_is_weighed_and_reset_
     sock = socket.socket()
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     sock.connect(("127.0.0.1", b.port))
-    try:
-        sock.sendall(f"GET /api/v1/pop/queue/big?batch=3500 {request_line}\r\nHost: x\r\n{header}\r\n".encode())
-        deadline = time.monotonic() + 10
-        while budget_in_use(b) == 0:
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
-        time.sleep(1.0)  # the pop is long done: its answer waits in the buffer, weighed
-        assert budget_in_use(b) > 0
-        deadline = time.monotonic() + 10
-        while budget_in_use(b) != 0:
-            assert time.monotonic() < deadline, "the weight came back when the connection was reset"
-            time.sleep(0.05)
-        sock.settimeout(5)
-        with pytest.raises(ConnectionResetError):
-            while sock.recv(65536):
-                pass
-    finally:
-        sock.close()
-    text = httpx.get(f"{b.url}/metrics/prometheus", timeout=10).text
-    assert re.search(r"^queen_timers_http_send_timeouts_total 1\.0$", text, re.M), text
+    sock.sendall(f"GET /api/v1/pop/queue/big?batch=3500 {request_line}\r\nHost: x\r\n{header}\r\n".encode())
+    assert_weighed_then_reset(b, sock)
 
 
 # ---------------------------------------------------------------------------
