@@ -256,9 +256,8 @@ class JsonErrorHttpToolsProtocol(HttpToolsProtocol):
     _refusing = False  # MAX_PIPELINED queued: the rest of what the client sent is dropped
     _events = 0          # parser callbacks so far: bytes that bring none are one unfinished token
     _quiet = 0           # bytes received past a request's head since the parser's last callback
-    _linger_until: float | None = None  # answered, the body still coming: dropped until then
+    _linger_timer: asyncio.TimerHandle | None = None  # armed: answered, the body still coming, dropped
     _linger_bytes = 0
-    _linger_timer: asyncio.TimerHandle | None = None
 
     @classmethod
     def with_timeouts(cls, head_seconds: float, send_seconds: float,
@@ -419,13 +418,25 @@ class JsonErrorHttpToolsProtocol(HttpToolsProtocol):
 
     def _drain_lapsed(self) -> None:
         self._drain_timer = None  # connection_lost cancels it: the connection is still here
+        cycle = self._unanswered()
+        if cycle is None:
+            self.transport.abort()  # an answer the client has not taken (closing or not), or no request
+        elif cycle.more_body and not isinstance(cycle, DirectCycle) and not self.transport.is_closing():
+            self._answer_instead(cycle, 503, STOPPING_BODY, ((b"retry-after", b"1"),))
+        # else: in its database call; its statement timeout ends it
+
+    def _unanswered(self):
+        """The request being served when its answer has not begun, else None."""
         cycle = self.cycle
-        if cycle is not None and not cycle.response_complete and not getattr(cycle, "response_started", False):
-            if cycle.more_body and not isinstance(cycle, DirectCycle) and not self.transport.is_closing():
-                cycle.disconnected = True  # the request's own answer, if it ever comes, is dropped
-                self._send_json(503, STOPPING_BODY, ((b"retry-after", b"1"),))
-            return  # in its database call: its statement timeout ends it
-        self.transport.abort()  # an answer the client has not taken (closing or not), or no request
+        if cycle is None or cycle.response_complete or getattr(cycle, "response_started", False):
+            return None
+        return cycle
+
+    def _answer_instead(self, cycle, status: int, body: bytes, extra=()) -> None:
+        """Answer `cycle`'s request with this JSON error and close; its own answer, if it
+        ever comes, is dropped (a disconnected cycle sends nothing)."""
+        cycle.disconnected = True
+        self._send_json(status, body, extra)
 
     def on_response_complete(self) -> None:
         cycle = self.cycle  # the request just answered, unless others wait behind it
@@ -448,21 +459,18 @@ class JsonErrorHttpToolsProtocol(HttpToolsProtocol):
     # -- an answer before the body, a token that never ends ------------------
 
     def _start_linger(self) -> None:
-        self._linger_until = self.loop.time() + LINGER_S
         self._linger_bytes = 0
         if self._linger_timer is None:
             self._linger_timer = self.loop.call_later(LINGER_S, self._linger_lapsed)
 
     def _stop_linger(self) -> None:
-        self._linger_until = None
         if self._linger_timer is not None:
             self._linger_timer.cancel()
             self._linger_timer = None
 
     def _linger_lapsed(self) -> None:
         self._linger_timer = None
-        if self._linger_until is not None:
-            self.transport.close()
+        self.transport.close()
 
     # A client's end of stream (FIN) closes the connection, as uvicorn does: TCP does not tell
     # a half-close (shutdown(SHUT_WR)) from a close, and a client gone must not keep a long
@@ -472,12 +480,11 @@ class JsonErrorHttpToolsProtocol(HttpToolsProtocol):
         """MAX_HEAD_BYTES past a request's head with no parser callback: a chunk-size line,
         chunk extension or trailer that never ends (llhttp buffers it, at a cost that grows
         with its square; the head's bound did not reach it)."""
-        cycle = self.cycle
-        if cycle is not None and not cycle.response_complete and not getattr(cycle, "response_started", False):
-            cycle.disconnected = True  # the request's own answer, if it ever comes, is dropped
-            self._send_json(400, BAD_REQUEST_BODY)
-        else:
+        cycle = self._unanswered()
+        if cycle is None:
             self.transport.abort()
+        else:
+            self._answer_instead(cycle, 400, BAD_REQUEST_BODY)
 
     def _keep_alive_lapsed(self) -> None:
         self._keep_timer = None
@@ -639,9 +646,9 @@ class JsonErrorHttpToolsProtocol(HttpToolsProtocol):
         if self._refusing:  # the last queued answer closes the connection; nothing more is read
             self.flow.pause_reading()
             return
-        if self._linger_until is not None:
+        if self._linger_timer is not None:  # the timer closes it at LINGER_S
             self._linger_bytes += len(data)
-            if self._linger_bytes > LINGER_BYTES or self.loop.time() > self._linger_until:
+            if self._linger_bytes > LINGER_BYTES:
                 self.transport.close()
                 return
         # httptools buffers a header's name or value until it ends, so on_header
@@ -695,8 +702,7 @@ class JsonErrorHttpToolsProtocol(HttpToolsProtocol):
 
     def on_message_complete(self) -> None:
         self._events += 1
-        if self._linger_until is not None:  # the body came whole: the connection goes on
-            self._stop_linger()
+        self._stop_linger()  # the body came whole (if it was lingering): the connection goes on
         if not self._refusing:
             super().on_message_complete()
 
