@@ -115,9 +115,13 @@ class RawRoute(Route):
         return Match.FULL, child_scope
 
 
-def path_param(scope: dict, name: str) -> str:
-    """A RawRoute's parameter, or 400 timers_bad_request when it is not percent-encoded UTF-8."""
-    value = scope["path_params"][name]
+def path_param(scope: dict, name: str, optional: bool = False) -> str | None:
+    """A RawRoute's parameter, or 400 timers_bad_request when it is not percent-encoded UTF-8;
+    optional: None when the route has no such parameter."""
+    params = scope["path_params"]
+    if optional and name not in params:
+        return None
+    value = params[name]
     if value is None:
         raise bad_request("the path is not valid percent-encoded UTF-8")
     return value

@@ -285,8 +285,7 @@ async def pop(request: Request) -> Response:
     principal = request.app.state.auth.require(request, READ_WRITE)
     settings = request.app.state.settings
     queue = _no_nul("queue", path_param(request.scope, "queue"))
-    partition = _no_nul("partition", path_param(request.scope, "partition")
-                        if "partition" in request.path_params else None)
+    partition = _no_nul("partition", path_param(request.scope, "partition", optional=True))
     check_name("queue", queue)
     if partition is not None:
         check_name("partition", partition)

@@ -273,7 +273,7 @@ def _scope_path_or_400(scope: dict) -> tuple[str, str | None]:
     (`/api/v1/timers/%2Fa/k` is queue `/a`), and `tenant/42` and `tenant%2F42` are the
     same key; each is decoded exactly once."""
     queue = path_param(scope, "queue")
-    key = path_param(scope, "timerKey") if "timerKey" in scope["path_params"] else None
+    key = path_param(scope, "timerKey", optional=True)
     if not queue:
         raise bad_request("queue is required")
     check_name("queue", queue, "")
