@@ -139,6 +139,11 @@ class HotRoutes:
         # `%2F` is inside a segment; any other Route on the decoded path, as Starlette does
         self.lanes = [(route.raw_params if isinstance(route, RawRoute) else _decoded_matcher(route),
                        method, route.endpoint) for route, method in routes]
+        # method -> [(raw_match, endpoint)] where every lane of the method is a RawRoute: server.py's
+        # direct lane matches the raw path it has just parsed, without the scope (match_raw)
+        self.raw_lanes = {method: [(route.raw_match, route.endpoint) for route, m in routes if m == method]
+                          for method in {m for _, m in routes}
+                          if all(isinstance(route, RawRoute) for route, m in routes if m == method)}
         # endpoint -> answer(app, scope): its 200 answer's JSON without a Request or a
         # Response, for server.py's direct lane (respond_direct)
         self.answers = answers or {}
@@ -147,6 +152,15 @@ class HotRoutes:
         method = scope["method"]
         for matcher, lane_method, endpoint in self.lanes:
             if method == lane_method and (params := matcher(scope)) is not None:
+                return endpoint, params
+        return None
+
+    def match_raw(self, method: str, raw_path: str):
+        """match, for a request without a root path whose route path the client sent as
+        `raw_path` (ASCII, still percent-encoded): the same hit, or None when no lane
+        matches (or the method has a lane on the decoded path: match serves it)."""
+        for raw_match, endpoint in self.raw_lanes.get(method, ()):
+            if (params := raw_match(raw_path)) is not None:
                 return endpoint, params
         return None
 

@@ -96,7 +96,11 @@ class RawRoute(Route):
     def raw_params(self, scope: dict) -> dict | None:
         """The decoded parameters when the raw path matches, else None (any method)."""
         raw = raw_route_path(scope)
-        m = None if raw is None else self.path_regex.match(raw)
+        return None if raw is None else self.raw_match(raw)
+
+    def raw_match(self, raw: str) -> dict | None:
+        """raw_params, for the raw route path itself."""
+        m = self.path_regex.match(raw)
         if m is None:
             return None
         return {name: decode_segment(value) for name, value in m.groupdict().items()}

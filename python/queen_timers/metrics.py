@@ -11,7 +11,7 @@ from __future__ import annotations
 import threading
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
-from prometheus_client.core import HistogramMetricFamily
+from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
 from prometheus_client.exposition import generate_latest
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
@@ -82,6 +82,26 @@ class BulkHistogram(Collector):
             sum_value=total)
 
 
+class LoopCounter(Collector):
+    """A label-free Prometheus counter counted on the event loop's thread alone: a plain
+    int, without prometheus_client's lock (a Counter's inc took 1-2 us of a DELETE's
+    broker CPU on the direct lane). Exposed as a Counter is (`<name>_total`)."""
+
+    def __init__(self, name: str, documentation: str, registry: CollectorRegistry):
+        self.name, self.documentation = name, documentation
+        self.value = 0
+        registry.register(self)
+
+    def inc(self) -> None:
+        self.value += 1
+
+    def describe(self):
+        return [CounterMetricFamily(self.name, self.documentation)]
+
+    def collect(self):
+        yield CounterMetricFamily(self.name, self.documentation, value=self.value)
+
+
 class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
@@ -136,11 +156,11 @@ class Metrics:
             "queen_timers_body_budget_refusals",
             "Requests answered 503 because the body budget had no room within QUEEN_BODY_WAIT_MS",
             registry=r)
-        self.http_direct = Counter(
+        self.http_direct = LoopCounter(
             "queen_timers_http_direct_requests",
             "DELETE requests on the timer key route served by the HTTP server's direct lane (server.py) "
             "rather than by uvicorn's request cycle",
-            registry=r)
+            r)
         self.http_send_timeouts = Counter(
             "queen_timers_http_send_timeouts",
             "Connections closed because their client took none of an answer for QUEEN_SEND_TIMEOUT_MS",

@@ -274,6 +274,7 @@ class JsonErrorHttpToolsProtocol(HttpToolsProtocol):
         if not hasattr(state, "queen_idle"):
             # connections serving no request, the one idle longest first (dicts keep their order)
             state.queen_idle = {}
+            state.queen_default_head = (None, b"")  # _answer's: (uvicorn's default headers, their bytes)
         self._idle: dict = state.queen_idle
 
     def connection_made(self, transport) -> None:
@@ -607,7 +608,7 @@ class JsonErrorHttpToolsProtocol(HttpToolsProtocol):
         scope["method"], scope["path"], scope["raw_path"] = "DELETE", path, raw_path
         scope[RAW_PATH_KEY] = (path, text)  # the key route matches the raw path (convertors.RawRoute)
         scope["query_string"] = parsed.query or b""
-        hit = hot.match(scope)
+        hit = hot.match_raw("DELETE", text)
         if hit is None:
             return False
         hot.on_direct()
@@ -618,6 +619,8 @@ class JsonErrorHttpToolsProtocol(HttpToolsProtocol):
         return True
 
     async def _serve_direct(self, cycle: DirectCycle, hit, scope) -> None:
+        # the answer is written first and the request's slot given back after it, as on
+        # uvicorn's path (app.HotRoutes.serve): an answer the client does not take parks it
         try:
             if self.app.turns is not None:
                 await self.app.take_turn(scope)
@@ -628,19 +631,19 @@ class JsonErrorHttpToolsProtocol(HttpToolsProtocol):
             else:
                 response = await hot.respond(self.app, hit, scope, _no_body)
                 status, headers, body = response.status_code, response.raw_headers, response.body
+            if cycle.disconnected:
+                return
+            if any(name == b"connection" and b"close" in value.lower() for name, value in headers):
+                cycle.keep_alive = False
+            elif not cycle.keep_alive:  # shutdown() asked for it
+                headers = [*headers, (b"connection", b"close")]
+            self.transport.write(self._answer(status, headers, body))
+            cycle.response_complete = True
+            if not cycle.keep_alive:
+                self.transport.close()
+            self.on_response_complete()
         finally:
             release_body(scope)
-        if cycle.disconnected:
-            return
-        if any(name == b"connection" and b"close" in value.lower() for name, value in headers):
-            cycle.keep_alive = False
-        elif not cycle.keep_alive:  # shutdown() asked for it
-            headers = [*headers, (b"connection", b"close")]
-        self.transport.write(self._answer(status, headers, body))
-        cycle.response_complete = True
-        if not cycle.keep_alive:
-            self.transport.close()
-        self.on_response_complete()
 
     def data_received(self, data: bytes) -> None:
         if self._refusing:  # the last queued answer closes the connection; nothing more is read
@@ -731,9 +734,16 @@ class JsonErrorHttpToolsProtocol(HttpToolsProtocol):
 
     def _answer(self, status: int, headers, body: bytes) -> bytes:
         """A response as uvicorn writes one: status line, its default headers (date,
-        server), the given headers, the body."""
-        out = [STATUS_LINE[status]]
-        for name, value in (*self.server_state.default_headers, *headers):
+        server), the given headers, the body. The default headers' bytes are joined once
+        per list: uvicorn replaces the list when the date changes, once a second."""
+        state = self.server_state
+        defaults, head = state.queen_default_head
+        if defaults is not state.default_headers:
+            defaults = state.default_headers
+            head = b"".join(b"%s: %s\r\n" % pair for pair in defaults)
+            state.queen_default_head = (defaults, head)
+        out = [STATUS_LINE[status], head]
+        for name, value in headers:
             out += (name, b": ", value, b"\r\n")
         out += (b"\r\n", body)
         return b"".join(out)
