@@ -456,7 +456,7 @@ class Lease:
     async def __aenter__(self) -> AsyncConnection:
         pool, tenant = self.pool, self.tenant
         deadline = monotonic() + (pool.timeout if self.timeout is None else self.timeout)
-        if tenant is not None:
+        if tenant is not None and not pool._take_share_now(tenant):
             await pool._take_share(tenant, deadline)
         try:
             conn = pool._take_idle()
@@ -478,6 +478,11 @@ class Lease:
         return conn
 
     async def __aexit__(self, typ, exc, tb) -> None:
+        pool, conn = self.pool, self.conn
+        if exc is None and self.bound is None and id(conn) not in pool._discard and pool._give_idle(conn):
+            if self.tenant is not None:  # the common end, without _end's coroutine
+                pool._give_share(self.tenant)
+            return
         bound, self.bound = self.bound, None
         if bound is not None:
             try:
@@ -687,6 +692,14 @@ class BrokerPool(AsyncConnectionPool):
         if standby:
             self._discard.add(id(conn))
         return standby
+
+    def _take_share_now(self, tenant: str) -> bool:
+        """_take_share when the tenant is under its share: taken at once (no coroutine)."""
+        n = self._by_tenant.get(tenant, 0)
+        if n >= self.tenant_share:
+            return False
+        self._by_tenant[tenant] = n + 1
+        return True
 
     async def _take_share(self, tenant: str, deadline: float) -> None:
         """Wait (first come, first served among the tenant's own requests) until the tenant

@@ -757,7 +757,7 @@ async def cancel_answer(app, scope: dict) -> bytes:
     """The DELETE's answer (JSON), from the request's scope alone: server.py's direct lane
     writes it without a Request or a Response (app.HotRoutes). Raises what the route's
     handlers answer (ApiError, and the database's errors mapped by _run_on)."""
-    principal = app.state.auth.require_scope(scope, READ_WRITE)
+    principal = app.auth.require_scope(scope, READ_WRITE)
     queue, key = _scope_path_or_400(scope)
     if not key:
         raise bad_request("timerKey is required")
