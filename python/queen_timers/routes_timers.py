@@ -22,10 +22,10 @@ import time
 import uuid
 from datetime import datetime, timezone
 from itertools import repeat
-from operator import attrgetter
 from typing import Optional
 
 import msgspec
+from msgspec.structs import astuple
 import orjson
 from psycopg.rows import tuple_row
 from starlette.requests import Request
@@ -566,8 +566,7 @@ class _FastBody(msgspec.Struct, forbid_unknown_fields=True, gc=False):
 _FAST_DECODER = msgspec.json.Decoder(_FastBody)
 _UPSERTS = frozenset(("schedule", "reschedule"))
 _NAME_LIMITS = ((1, MAX_QUEUE_BYTES), (2, MAX_TIMER_KEY_BYTES), (4, MAX_TXN_BYTES))
-_FAST_FIELDS = ("op", "queue", "timerKey", "delayMs", "txn", "payload", "partition", "payloadZstd", "encrypted")
-_OPTIONAL = attrgetter(*_FAST_FIELDS[6:])
+_FAST_FIELDS = _FastOp.__struct_fields__  # the order of astuple's values: _fast_batch's columns
 
 
 def _names_ok(values: list[str], limit: int) -> bool:
@@ -596,32 +595,34 @@ def _fast_batch(raw: bytes, max_values: int, *, max_ops: int, stage_bytes: int) 
         return None
     if not 0 < len(ops) <= max_ops:
         return None
-    cols: list[list | None] = [list(map(attrgetter(name), ops)) for name in _FAST_FIELDS[:6]]
-    # the optional fields, mapped only where some operation gives one (one pass over the
-    # decoded ops: a search of the raw text for their names took twice as long)
+    # the columns, in _FAST_FIELDS' order, in one transposition of the decoded ops (a pass per
+    # field, and one for the optional fields, took 2.5 times as long)
+    n = len(ops)
+    cols: list[list | None] = list(map(list, zip(*map(astuple, ops))))
     escaped = b"\\" in raw
-    optional = set(map(_OPTIONAL, ops)) != {(None, None, None)}
-    cols += [list(map(attrgetter(name), ops)) if optional else None for name in _FAST_FIELDS[6:]]
+    optional = any(cols[i].count(None) != n for i in (6, 7, 8))
+    if not optional:  # no operation gives one: not sent
+        cols[6:] = (None, None, None)
     op, queue, key, delay, txn, payload, partition, zstd, encrypted = cols
     if not set(op) <= _UPSERTS:
         return None
     if not all(_names_ok(cols[i], limit) for i, limit in _NAME_LIMITS):  # type: ignore[arg-type]
         return None
-    one_queue = queue.count(queue[0]) == len(queue)
-    if len(set(key) if one_queue else set(zip(queue, key))) != len(ops):  # no (queue, timerKey) twice
+    one_queue = queue.count(queue[0]) == n
+    if len(set(key) if one_queue else set(zip(queue, key))) != n:  # no (queue, timerKey) twice
         return None
     if min(delay) < INT64_MIN or max(delay) > INT64_MAX:
         return None
     if optional:  # a column no operation gives is all NULL: not sent
-        if partition.count(None) == len(ops):
+        if partition.count(None) == n:
             cols[6] = None
         elif not _names_ok([p for p in partition if p is not None], MAX_PARTITION_BYTES):
             return None
         if True in zstd:
             return None
-        if zstd.count(None) == len(ops):
+        if zstd.count(None) == n:
             cols[7] = None
-        if encrypted.count(None) == len(ops):
+        if encrypted.count(None) == n:
             cols[8] = None
     if sum(map(len, payload)) > stage_bytes:
         return None  # the staged path
