@@ -8,10 +8,12 @@ capacity problems (pool exhausted, statement timeout, database gone) are
 from __future__ import annotations
 
 import re
+from urllib.parse import parse_qsl
 
 import psycopg
 from psycopg import errors as pgerrors
 from psycopg_pool import PoolTimeout
+from starlette.datastructures import QueryParams
 
 # SQLSTATE -> (HTTP status, error slug)
 SQLSTATE_HTTP: dict[str, tuple[int, str]] = {
@@ -58,6 +60,26 @@ class ApiError(Exception):
 
 def bad_request(detail: str) -> ApiError:
     return ApiError(400, "timers_bad_request", detail)
+
+
+QUERY_KEY = "queen.query_params"  # scope key: strict_query's parse, once a request
+
+
+def strict_query(scope: dict) -> QueryParams:
+    """The request's query parameters, as Starlette parses them (latin-1 text, then
+    parse_qsl keeping blank values) but percent-decoded as strict UTF-8: 400 when a byte
+    sequence is not UTF-8. Starlette puts U+FFFD in its place, which read `?after=%FF` as
+    a cursor of its own and echoed `?txn=%FF` as another txn (a path is refused the same
+    way, convertors.decode_segment)."""
+    params = scope.get(QUERY_KEY)
+    if params is None:
+        try:
+            pairs = parse_qsl(scope.get("query_string", b"").decode("latin-1"), keep_blank_values=True,
+                              errors="strict")
+        except UnicodeDecodeError:
+            raise bad_request("the query string is not valid percent-encoded UTF-8") from None
+        params = scope[QUERY_KEY] = QueryParams(pairs)
+    return params
 
 
 def query_param(params, name: str) -> str | None:

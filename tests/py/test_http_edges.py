@@ -143,3 +143,33 @@ def test_more_than_100_header_fields_are_refused(spawn_broker, db, where):
                      b"Host: x\r\n\r\n")
         status, _, _ = read_response(sock)
     assert status == 200
+
+
+# A query string percent-decodes to UTF-8 or it is refused. Starlette put U+FFFD in the place of
+# bytes that are not UTF-8 (as a path is refused, convertors.decode_segment): `?txn=%FF` echoed
+# another txn, `?after=%FF` paged from another cursor, `?consumerGroup=%FF` popped for a group
+# nobody named. A well-encoded U+FFFD is an ordinary character and passes.
+
+def test_a_query_string_that_is_not_utf8_is_a_json_400_and_changes_nothing(client, db):
+    from test_input_limits import assert_json_error
+    from test_log_api import pop, push
+    from timers_util import op, post
+
+    assert post(client, op("schedule", "k1", queue="q"), op("schedule", "k2", queue="q")).status_code == 200
+    push(client, {"queue": "logq", "payload": {"n": 1}})
+    refused = [client.delete("/api/v1/timers/q/k1?txn=%FF"),        # the direct lane
+               client.delete("/api/v1/timers/q/k1?txn=ok&x=%C3"),   # a name it ignores, cut short
+               client.get("/api/v1/timers/q?after=%FF"),
+               client.get("/api/v1/timers/q?limit=1&after=a%E2%82"),
+               client.get("/api/v1/pop/queue/logq?consumerGroup=%FF&autoAck=true"),
+               client.get("/api/v1/dlq?queue=%FF")]
+    for r in refused:
+        body = assert_json_error(r, 400, "timers_bad_request")
+        assert "UTF-8" in body["detail"], body
+    assert [r["timer_key"] for r in db.execute("SELECT timer_key FROM queen.timers ORDER BY 1")] == ["k1", "k2"]
+    assert [m["data"] for m in pop(client, "logq", autoAck="true")["messages"]] == [{"n": 1}]  # none taken
+
+    r = client.delete("/api/v1/timers/q/k1?txn=%EF%BF%BD")  # U+FFFD itself, well encoded
+    assert r.status_code == 200 and r.json()["status"] == "cancelled" and r.json()["txn"] == "\ufffd", r.text
+    r = client.get("/api/v1/timers/q?after=k1")
+    assert r.status_code == 200 and [t["timerKey"] for t in r.json()["rows"]] == ["k2"], r.text
