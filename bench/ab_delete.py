@@ -24,8 +24,6 @@ import sys
 import tempfile
 from pathlib import Path
 
-import psycopg
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import cancel  # noqa: E402
 from harness import ROOT, Cluster, connect, log, start_broker  # noqa: E402
@@ -36,18 +34,6 @@ TICKS = os.sysconf("SC_CLK_TCK")
 def cpu_seconds(pid: int) -> float:
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / TICKS
-
-
-def other_db(cl: Cluster, name: str, tree: Path) -> str:
-    """A database with `tree`'s schema (its own migrations), as Cluster.create_db makes one."""
-    with psycopg.connect(cl.admin, autocommit=True) as conn:
-        conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-        conn.execute(f'CREATE DATABASE "{name}"')
-    url = psycopg.conninfo.make_conninfo(cl.admin, dbname=name)
-    subprocess.run([str(tree / "scripts" / "install-schema"), url], check=True)
-    with psycopg.connect(url, autocommit=True) as conn:
-        conn.execute("CREATE EXTENSION IF NOT EXISTS pg_stat_statements")
-    return url
 
 
 def main() -> int:
@@ -64,7 +50,7 @@ def main() -> int:
         cl = Cluster()
         try:
             cl.setup()
-            urls = {rev: other_db(cl, "bench_ab", tree), "this tree": cl.create_db("bench")}
+            urls = {rev: cl.create_db("bench_ab", root=tree), "this tree": cl.create_db("bench")}
             brokers = {rev: start_broker(urls[rev], "ab", PYTHONPATH=str(tree / "python")),
                        "this tree": start_broker(urls["this tree"], "this", PYTHONPATH=str(ROOT / "python"))}
             admins = {k: connect(u) for k, u in urls.items()}

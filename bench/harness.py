@@ -94,12 +94,13 @@ class Cluster:
         self.stop()
         shutil.rmtree(self.dir, ignore_errors=True)
 
-    def create_db(self, name: str) -> str:
+    def create_db(self, name: str, root: Path = ROOT) -> str:
+        """A fresh database with the schema of the checkout at `root` (bench/ab_delete.py: another commit's)."""
         with psycopg.connect(self.admin, autocommit=True) as conn:
             conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
             conn.execute(f'CREATE DATABASE "{name}"')
         url = psycopg.conninfo.make_conninfo(self.admin, dbname=name)
-        subprocess.run([str(ROOT / "scripts" / "install-schema"), url], check=True)
+        subprocess.run([str(root / "scripts" / "install-schema"), url], check=True)
         with psycopg.connect(url, autocommit=True) as conn:
             conn.execute("CREATE EXTENSION IF NOT EXISTS pg_stat_statements")
             conn.execute("CREATE SCHEMA bench")
