@@ -200,8 +200,10 @@ def test_a_client_gone_before_its_answer_leaves_the_broker_serving(broker, clien
     assert "Traceback" not in broker.log_path.read_text()[logged:]
 
 
-def test_a_graceful_shutdown_answers_the_delete_in_flight_and_closes(spawn_broker, db, database_url):
-    b = spawn_broker()
+def delete_held_through_sigterm(b, db, database_url, *, chunked: bool = False, held_s: float = 0.5):
+    """The answer (status, headers, body) to a DELETE of timer `held` that waits on the row's
+    lock while the broker gets SIGTERM; the lock is kept `held_s` seconds after the signal, the
+    broker still up and nothing answered meanwhile (test_shutdown uses it too)."""
     with b.client() as c:
         assert post(c, op("schedule", "held")).status_code == 200
     answer: list = []
@@ -209,18 +211,23 @@ def test_a_graceful_shutdown_answers_the_delete_in_flight_and_closes(spawn_broke
     reader = threading.Thread(target=lambda: answer.append(Responses(sock).next()))
     try:
         with held(database_url, db, "held") as wait_for_delete:
-            sock.sendall(delete("/api/v1/timers/reminders/held", chunked=False))
+            sock.sendall(delete("/api/v1/timers/reminders/held", chunked=chunked))
             reader.start()
             wait_for_delete()
             b.proc.send_signal(signal.SIGTERM)
-            time.sleep(0.5)
-            assert b.proc.poll() is None  # uvicorn waits for the request in flight
+            time.sleep(held_s)
+            assert b.proc.poll() is None and not answer  # uvicorn waits for the request in flight
         reader.join(30)
-        status, headers, body = answer[0]
-        assert (status, body["status"]) == (200, "cancelled")
-        assert headers.get("connection") == "close"
-        # uvicorn re-raises the signal once it has shut down: the exit of a graceful stop
-        assert b.proc.wait(timeout=30) == -signal.SIGTERM
-        assert "Traceback" not in b.log_path.read_text()
+        return answer[0]
     finally:
         sock.close()
+
+
+def test_a_graceful_shutdown_answers_the_delete_in_flight_and_closes(spawn_broker, db, database_url):
+    b = spawn_broker()
+    status, headers, body = delete_held_through_sigterm(b, db, database_url)
+    assert (status, body["status"]) == (200, "cancelled")
+    assert headers.get("connection") == "close"
+    # uvicorn re-raises the signal once it has shut down: the exit of a graceful stop
+    assert b.proc.wait(timeout=30) == -signal.SIGTERM
+    assert "Traceback" not in b.log_path.read_text()

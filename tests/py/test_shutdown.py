@@ -14,8 +14,7 @@ import httpx
 import pytest
 
 from sweeper_support import schedule, timer, wait_until
-from test_direct_lane import Responses, delete, held
-from timers_util import op, post
+from test_direct_lane import delete_held_through_sigterm
 
 
 def _exit_within(proc, seconds: float) -> float:
@@ -93,27 +92,12 @@ def test_a_request_in_its_database_call_is_answered_past_the_shutdown_timeout(sp
     """A verdict PostgreSQL is deciding is never answered 503: the cancel may commit, and the
     client must learn it did. Chunked: the DELETE takes uvicorn's path (no direct lane)."""
     b = spawn_broker(QUEEN_SHUTDOWN_TIMEOUT_MS="1000")
-    with b.client() as c:
-        assert post(c, op("schedule", "held")).status_code == 200
-    answer: list = []
-    sock = socket.create_connection(("127.0.0.1", b.port), timeout=30)
-    reader = threading.Thread(target=lambda: answer.append(Responses(sock).next()))
-    try:
-        with held(database_url, db, "held") as wait_for_delete:
-            sock.sendall(delete("/api/v1/timers/reminders/held", chunked=chunked))
-            reader.start()
-            wait_for_delete()
-            b.proc.send_signal(signal.SIGTERM)
-            time.sleep(2.5)  # past the shutdown timeout, the row still locked
-            assert b.proc.poll() is None and not answer
-        reader.join(30)
-        status, headers, body = answer[0]
-        assert (status, body["status"]) == (200, "cancelled")
-        assert headers.get("connection") == "close"
-        assert _exit_within(b.proc, 15) < 15
-        assert "Traceback" not in b.log_path.read_text()
-    finally:
-        sock.close()
+    # past the shutdown timeout, the row still locked
+    status, headers, body = delete_held_through_sigterm(b, db, database_url, chunked=chunked, held_s=2.5)
+    assert (status, body["status"]) == (200, "cancelled")
+    assert headers.get("connection") == "close"
+    assert _exit_within(b.proc, 15) < 15
+    assert "Traceback" not in b.log_path.read_text()
 
 
 def test_a_client_that_does_not_take_its_answer_is_reset_at_the_shutdown_timeout(spawn_broker, db):
