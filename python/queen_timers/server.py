@@ -228,6 +228,12 @@ class DirectCycle:
         self.body = b""
 
 
+def _cancelled(timer) -> None:
+    """Cancel a loop timer if one is armed; None, for the attribute that held it."""
+    if timer is not None:
+        timer.cancel()
+
+
 def _nothing() -> None:
     pass
 
@@ -288,12 +294,8 @@ class JsonErrorHttpToolsProtocol(HttpToolsProtocol):
     def connection_lost(self, exc) -> None:
         self._stop_head_timer()
         self._stop_linger()
-        if self._drain_timer is not None:
-            self._drain_timer.cancel()
-            self._drain_timer = None
-        if self._keep_timer is not None:
-            self._keep_timer.cancel()
-            self._keep_timer = None
+        self._drain_timer = _cancelled(self._drain_timer)
+        self._keep_timer = _cancelled(self._keep_timer)
         self._stop_send_watch()
         self._idle.pop(self, None)
         super().connection_lost(exc)
@@ -354,9 +356,7 @@ class JsonErrorHttpToolsProtocol(HttpToolsProtocol):
         return min(1.0, self.send_timeout_s / 4)
 
     def _stop_send_watch(self) -> None:
-        if self._send_watch is not None:
-            self._send_watch.cancel()
-            self._send_watch = None
+        self._send_watch = _cancelled(self._send_watch)
 
     def _watch_send(self) -> None:
         self._send_watch = None
@@ -465,9 +465,7 @@ class JsonErrorHttpToolsProtocol(HttpToolsProtocol):
             self._linger_timer = self.loop.call_later(LINGER_S, self._linger_lapsed)
 
     def _stop_linger(self) -> None:
-        if self._linger_timer is not None:
-            self._linger_timer.cancel()
-            self._linger_timer = None
+        self._linger_timer = _cancelled(self._linger_timer)
 
     def _linger_lapsed(self) -> None:
         self._linger_timer = None
@@ -508,9 +506,7 @@ class JsonErrorHttpToolsProtocol(HttpToolsProtocol):
                                                     self._head_timed_out)
 
     def _stop_head_timer(self) -> None:
-        if self._head_timer is not None:
-            self._head_timer.cancel()
-            self._head_timer = None
+        self._head_timer = _cancelled(self._head_timer)
 
     def _head_timed_out(self) -> None:
         self._head_timer = None
