@@ -82,20 +82,20 @@ def strict_query(scope: dict) -> QueryParams:
     return params
 
 
-def query_param(params, name: str) -> str | None:
-    """The one value of query parameter `name` (Starlette's QueryParams), or None.
+def query_param(scope: dict, name: str) -> str | None:
+    """The one value of the request's query parameter `name` (strict_query), or None.
     Given more than once it is a 400: servers disagree on which copy wins (Starlette
     keeps the last), so the broker does not guess what the client meant."""
-    values = params.getlist(name)
+    values = strict_query(scope).getlist(name)
     if len(values) > 1:
         raise bad_request(f"query parameter {name} is given {len(values)} times; give it once")
     return values[0] if values else None
 
 
-def query_int(params, name: str) -> int | None:
+def query_int(scope: dict, name: str) -> int | None:
     """Query parameter `name` as an integer, or None when absent or empty; 400 when it is
     not an integer. Each route bounds it: clamped, or refused past its range."""
-    raw = query_param(params, name)
+    raw = query_param(scope, name)
     if raw is None or raw == "":
         return None
     try:

@@ -29,8 +29,7 @@ from . import convertors, db, payloads  # noqa: F401 (convertors: registers {x:a
 from .auth import READ_ONLY, READ_WRITE
 from .bodies import PAYLOAD_CEILING_BYTES, TENANT_KEY, read_json, weigh_answer, weigh_fetched
 from .convertors import RawRoute, path_param
-from .errors import (ApiError, bad_request, check_json_unicode, check_text, from_exception, query_int, query_param,
-                     strict_query)
+from .errors import ApiError, bad_request, check_json_unicode, check_text, from_exception, query_int, query_param
 from .limits import INT32_MAX, check_name
 
 QUEUE_MODE = "__QUEUE_MODE__"
@@ -130,12 +129,12 @@ def _read_payload(settings, raw: bytes, is_encrypted: bool) -> bytes:
 
 
 def _int_param(request: Request, name: str, default: int, minimum: int, maximum: int) -> int:
-    value = query_int(strict_query(request.scope), name)
+    value = query_int(request.scope, name)
     return default if value is None else max(minimum, min(maximum, value))
 
 
 def _bool_param(request: Request, name: str, default: bool = False) -> bool:
-    raw = query_param(strict_query(request.scope), name)
+    raw = query_param(request.scope, name)
     if raw is None or raw == "":
         return default
     return raw.strip().lower() in ("true", "1", "yes")
@@ -293,7 +292,7 @@ async def pop(request: Request) -> Response:
     batch = _int_param(request, "batch", 1, 1, MAX_BATCH)
     wait = _bool_param(request, "wait")
     timeout_ms = _int_param(request, "timeout", DEFAULT_POP_TIMEOUT_MS, 0, MAX_POP_TIMEOUT_MS)
-    group = _group(query_param(strict_query(request.scope), "consumerGroup")) or QUEUE_MODE
+    group = _group(query_param(request.scope, "consumerGroup")) or QUEUE_MODE
     auto_ack = _bool_param(request, "autoAck")
 
     deadline = time.monotonic() + timeout_ms / 1000
@@ -464,8 +463,8 @@ def _largest_payload(settings) -> int:
 
 async def list_dlq(request: Request) -> JSONResponse:
     principal = request.app.state.auth.require(request, READ_ONLY)
-    queue = _no_nul("queue", query_param(strict_query(request.scope), "queue")) or None
-    group = _group(query_param(strict_query(request.scope), "consumerGroup")) or None
+    queue = _no_nul("queue", query_param(request.scope, "queue")) or None
+    group = _group(query_param(request.scope, "consumerGroup")) or None
     if queue is not None:
         check_name("queue", queue)
     limit = _int_param(request, "limit", 100, 1, 1000)

@@ -28,7 +28,7 @@ from starlette.routing import Route
 
 from .auth import READ_ONLY
 from .bodies import TENANT_KEY, read_json
-from .errors import bad_request, from_exception, query_int, query_param, strict_query
+from .errors import bad_request, from_exception, query_int, query_param
 from .limits import INT32_MAX, INT32_MIN, check_name
 from .metrics import CONTENT_TYPE
 
@@ -94,7 +94,7 @@ def _iso(value) -> str | None:
 
 def _int_query(request: Request, name: str, default: int) -> int:
     """An integer query parameter the SQL checks the range of; past a 32-bit integer a 400."""
-    value = query_int(strict_query(request.scope), name)
+    value = query_int(request.scope, name)
     if value is None:
         return default
     if not INT32_MIN <= value <= INT32_MAX:
@@ -112,9 +112,9 @@ async def timers_stats(request: Request) -> JSONResponse:
     buckets = _int_query(request, "buckets", 60)
     bucket_seconds = _int_query(request, "bucketSeconds", 60)
     page = stats_page_size(buckets)
-    asked = query_int(strict_query(request.scope), "limit")
+    asked = query_int(request.scope, "limit")
     limit = page if asked is None else max(1, min(asked, page))  # clamped (docs/limits.md)
-    after = query_param(strict_query(request.scope), "after") or None
+    after = query_param(request.scope, "after") or None
     if after is not None:
         check_name("queue", after, "after: ")  # a queue name: its limits
     async with request.app.state.pool.connection(tenant=request.scope.get(TENANT_KEY)) as conn:

@@ -37,7 +37,7 @@ from .auth import READ_ONLY, READ_WRITE, WRITE_ONLY
 from .bodies import (PAYLOAD_CEILING_BYTES, SMALL_BODY_BYTES, TENANT_KEY, read_json, values_bound, weigh_answer,
                      weigh_fetched)
 from .convertors import RawRoute, path_param
-from .errors import ApiError, bad_request, from_exception, query_int, query_param, strict_query
+from .errors import ApiError, bad_request, from_exception, query_int, query_param
 from .limits import INT32_MAX, INT32_MIN, MAX_PARTITION_BYTES, MAX_QUEUE_BYTES, MAX_TIMER_KEY_BYTES, MAX_TXN_BYTES, check_name
 from .openapi import openapi_endpoint
 
@@ -762,7 +762,7 @@ async def cancel_answer(app, scope: dict) -> bytes:
     queue, key = _scope_path_or_400(scope)
     if not key:
         raise bad_request("timerKey is required")
-    txn = query_param(strict_query(scope), "txn") if scope["query_string"] else None
+    txn = query_param(scope, "txn") if scope["query_string"] else None
     if txn is not None:
         check_name("txn", txn, "")
 
@@ -809,10 +809,10 @@ async def list_timers(request: Request) -> JSONResponse:
 
 
 async def _list(request: Request, principal, queue: str) -> JSONResponse:
-    after = query_param(strict_query(request.scope), "after")
+    after = query_param(request.scope, "after")
     if after is not None:
         check_name("after", after, "")
-    limit = query_int(strict_query(request.scope), "limit")
+    limit = query_int(request.scope, "limit")
     # queen.list_timers clamps to 1..1000; only keep the value an integer
     limit = 100 if limit is None else max(INT32_MIN, min(INT32_MAX, limit))
 
