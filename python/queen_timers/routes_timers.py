@@ -540,7 +540,7 @@ class FastBatch:
     path (a queue that encrypts at rest, read from the database) that needs _parse_ops."""
     __slots__ = ("raw", "columns", "upserts", "plain")
 
-    def __init__(self, raw: bytes, columns: dict[str, list], upserts: list[str], plain: bool = False):
+    def __init__(self, raw: bytes, columns: dict[str, tuple], upserts: list[str], plain: bool = False):
         self.raw, self.columns, self.upserts = raw, columns, upserts
         self.plain = plain  # every name its own JSON text between quotes (see _results_json)
 
@@ -578,7 +578,7 @@ _FAST_FIELDS = _FastOp.__struct_fields__  # the order of astuple's values: _fast
 
 def _names_ok(values: list[str], limit: int) -> bool:
     """Every value non-empty ASCII without NUL, within `limit` bytes."""
-    if values and values.count(values[0]) == len(values):  # one value n times (a batch's queue)
+    if values and values[0] == values[-1] and values.count(values[0]) == len(values):  # one value n times
         values = values[:1]
     if not all(values):
         return False
@@ -603,9 +603,9 @@ def _fast_batch(raw: bytes, max_values: int, *, max_ops: int, stage_bytes: int) 
     if not 0 < len(ops) <= max_ops:
         return None
     # the columns, in _FAST_FIELDS' order, in one transposition of the decoded ops (a pass per
-    # field, and one for the optional fields, took 2.5 times as long)
+    # field, and one for the optional fields, took 2.5 times as long); tuples, as zip makes them
     n = len(ops)
-    cols: list[list | None] = list(map(list, zip(*map(astuple, ops))))
+    cols: list[tuple | None] = list(zip(*map(astuple, ops)))
     escaped = b"\\" in raw
     optional = any(cols[i].count(None) != n for i in (6, 7, 8))
     if not optional:  # no operation gives one: not sent
