@@ -212,7 +212,10 @@ def main() -> int:
     ap.add_argument("--rss-zstd-bytes", type=int, default=1000000, help="inflated size of each zstd payload")
     ap.add_argument("--rss-batch-bytes", type=int, default=0,
                     help="QUEEN_SWEEPER_BATCH_BYTES of the rss broker (0: the default)")
-    ap.add_argument("--sched-batches", type=int, default=100)
+    # 400 batches of 256: the 100,000 jobs of bench-peers' schedule, rounds of 1-3 s (100 batches made
+    # rounds of 0.3-0.7 s, in which a client's start and a stray checkpoint weighed: run 18's ratios
+    # moved by up to 0.07 between the two lengths in the same hour)
+    ap.add_argument("--sched-batches", type=int, default=400)
     ap.add_argument("--sched-rounds", type=int, default=5, help="schedule section: rotating rounds (>= 5)")
     ap.add_argument("--sched-floor", action="store_true",
                     help="schedule section: a fourth side, POST through bench/shell_floor.py (the fast path's "
