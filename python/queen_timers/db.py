@@ -369,7 +369,7 @@ _LENGTH_CHARS = [word.decode("latin-1") for word in _LENGTHS]  # the same words 
 _FIXED = {Int8Array: (8, "q"), Int4Array: (4, "i"), BoolArray: (1, "?")}
 
 
-def binary_array(kind: type[BinaryArray], values: list) -> BinaryArray | None:
+def binary_array(kind: type[BinaryArray], values: list | tuple) -> BinaryArray | None:
     """`values` (None for NULL) as a `kind` parameter; None (SQL NULL) when every value
     is None, as array_param. Text is encoded as UTF-8: callers have refused lone surrogates."""
     n = len(values)

@@ -501,7 +501,7 @@ KINDS = (db.TextArray, db.TextArray, db.TextArray, db.Int8Array, db.TextArray, d
          db.BoolArray, db.BoolArray, db.Int4Array)
 
 
-def _array_params(columns: dict[str, list]) -> dict:
+def _array_params(columns: dict[str, list | tuple]) -> dict:
     """SCHEDULE_SQL's ten arrays from the columns (a column left out is all NULL)."""
     params = {name: db.binary_array(kind, columns[name]) if name in columns else None
               for name, kind in zip(COLUMNS, KINDS)}
@@ -576,7 +576,7 @@ _NAME_LIMITS = ((1, MAX_QUEUE_BYTES), (2, MAX_TIMER_KEY_BYTES), (4, MAX_TXN_BYTE
 _FAST_FIELDS = _FastOp.__struct_fields__  # the order of astuple's values: _fast_batch's columns
 
 
-def _names_ok(values: list[str], limit: int) -> bool:
+def _names_ok(values: list[str] | tuple[str, ...], limit: int) -> bool:
     """Every value non-empty ASCII without NUL, within `limit` bytes."""
     if values and values[0] == values[-1] and values.count(values[0]) == len(values):  # one value n times
         values = values[:1]
