@@ -31,4 +31,5 @@ INSERT INTO queen.schema_migrations (version, name) VALUES
     (26, 'pop_bounded'),
     (27, 'consumer_plans'),
     (28, 'required_leases'),
-    (29, 'extend_lease_index');
+    (29, 'extend_lease_index'),
+    (30, 'pending_decrement');

@@ -3,7 +3,7 @@
 -- queen.get_pending_timers (base + deltas), queen.fold_pending_deltas,
 -- queen.get_timer_status reading both.
 BEGIN;
-SELECT plan(41);
+SELECT plan(45);
 
 CREATE FUNCTION pg_temp.t0() RETURNS timestamptz LANGUAGE sql AS $$ SELECT '2030-01-01 00:00:00+00'::timestamptz $$;
 CREATE FUNCTION pg_temp.at(p_seconds numeric) RETURNS timestamptz LANGUAGE sql AS $$ SELECT pg_temp.t0() + p_seconds * interval '1 second' $$;
@@ -27,6 +27,17 @@ SELECT is((SELECT l.lanname FROM pg_proc p JOIN pg_language l ON l.oid = p.prola
           'bump_tenant_usage is PL/pgSQL (its plan is cached, not made again per call)');
 SELECT throws_ok($$INSERT INTO queen.tenant_usage_deltas VALUES ('dx-a', 1)$$, '23514', NULL,
                  'an increment is refused by the delta table: increments go to the base row');
+SELECT throws_ok($$INSERT INTO queen.tenant_usage_deltas VALUES ('dx-a', 0)$$, '23514',
+                 'value for domain queen.pending_decrement violates check constraint "pending_delta_negative"',
+                 'so is a zero, by the domain''s named constraint');
+SELECT col_type_is('queen', 'tenant_usage_deltas', 'pending_delta', 'queen', 'pending_decrement',
+                   'the delta column is the domain (migration 030): its check comes planned from the type cache');
+SELECT is((SELECT count(*) FROM pg_constraint WHERE conrelid = 'queen.tenant_usage_deltas'::regclass AND contype = 'c'),
+          0::bigint, 'the table has no CHECK of its own (re-read and planned again at every INSERT)');
+INSERT INTO queen.tenant_usage_deltas VALUES ('dx-upd', -1);
+SELECT throws_ok($$UPDATE queen.tenant_usage_deltas SET pending_delta = 5 WHERE tenant = 'dx-upd'$$, '23514', NULL,
+                 'nor can a delta be turned positive');
+DELETE FROM queen.tenant_usage_deltas WHERE tenant = 'dx-upd';
 SELECT is(queen.get_pending_timers('nobody'), 0::bigint, 'a tenant with no counter row has 0 pending');
 
 -- ---------------------------------------------------------------- schedule: increments and billing on the base row
@@ -40,7 +51,7 @@ SELECT is(pg_temp.deltas('dx-a'), 0::bigint, 'and writes no delta');
 -- ---------------------------------------------------------------- cancel: a delta, the base row untouched
 SELECT is(queen.cancel_timer('dx-a', 'pq', 'a1', pg_temp.t0()), 'cancelled', 'cancel a1');
 SELECT is(pg_temp.base('dx-a'), 4::bigint, 'a cancel leaves the base row alone');
-SELECT results_eq($$SELECT pending_delta FROM queen.tenant_usage_deltas WHERE tenant = 'dx-a'$$, ARRAY[-1::bigint],
+SELECT results_eq($$SELECT pending_delta::bigint FROM queen.tenant_usage_deltas WHERE tenant = 'dx-a'$$, ARRAY[-1::bigint],
                   'it appends one -1');
 SELECT is(queen.get_pending_timers('dx-a'), 3::bigint, 'get_pending_timers reads base + deltas');
 SELECT is(pg_temp.billed('dx-a'), 4::bigint, 'a cancel bills nothing');
@@ -60,7 +71,7 @@ SELECT is((SELECT count(*) FROM pg_temp.sched('dx-b', pg_temp.op('schedule', 'b1
           2::bigint, 'setup: dx-b has two due timers');
 SELECT is((SELECT count(*) FROM queen.fire_due_timers(100, pg_temp.at(1)) WHERE tenant IN ('dx-a', 'dx-b')), 3::bigint,
           'fire_due_timers fires a4, b1, b2');
-SELECT results_eq($$SELECT pending_delta FROM queen.tenant_usage_deltas WHERE tenant = 'dx-b'$$, ARRAY[-2::bigint],
+SELECT results_eq($$SELECT pending_delta::bigint FROM queen.tenant_usage_deltas WHERE tenant = 'dx-b'$$, ARRAY[-2::bigint],
                   'one delta of -2 for dx-b');
 SELECT is(pg_temp.base('dx-b'), 2::bigint, 'its base row untouched');
 SELECT is((queen.get_timer_status()).pending, 0::bigint, 'get_timer_status sums base rows and deltas: 0 pending');
