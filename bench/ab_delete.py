@@ -16,7 +16,6 @@ Not part of `make test`; one bench at a time on the machine.
 from __future__ import annotations
 
 import argparse
-import os
 import signal
 import statistics
 import subprocess
@@ -26,14 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import cancel  # noqa: E402
-from harness import ROOT, Cluster, connect, log, start_broker  # noqa: E402
-
-TICKS = os.sysconf("SC_CLK_TCK")
-
-
-def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / TICKS
+from harness import ROOT, Cluster, connect, log, proc_cpu, start_broker  # noqa: E402
 
 
 def main() -> int:
@@ -62,9 +54,9 @@ def main() -> int:
                     for name, b in brokers.items():
                         b.proc.send_signal(signal.SIGCONT if name == side else signal.SIGSTOP)
                     b = brokers[side]
-                    c0 = cpu_seconds(b.proc.pid)
+                    c0 = proc_cpu(b.proc.pid)
                     out = cancel.http_run(b, admins[side], 1, args.n)
-                    res[side]["cpu"].append((cpu_seconds(b.proc.pid) - c0) / args.n * 1e6)
+                    res[side]["cpu"].append((proc_cpu(b.proc.pid) - c0) / args.n * 1e6)
                     res[side]["p50"].append(out["p50_ms"])
                 for b in brokers.values():
                     b.proc.send_signal(signal.SIGCONT)

@@ -30,6 +30,15 @@ def log(msg: str) -> None:
     print(msg, flush=True)
 
 
+def proc_cpu(pid: int) -> float:
+    """utime + stime of one process from /proc, in seconds (0 when it is gone)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # fields 14 and 15 of proc(5)
+
+
 def free_port() -> int:
     out = subprocess.run([sys.executable, str(ROOT / "scripts" / "free-port")],
                          check=True, capture_output=True, text=True)

@@ -18,24 +18,12 @@ from pathlib import Path
 
 import zstandard
 
-from harness import Broker, Cluster, connect, load_timers, log, reset, start_broker, wait_until
+from harness import Broker, Cluster, connect, load_timers, log, proc_cpu, reset, start_broker, wait_until
 from perf import bench_lag, first_fire, last_commit, vacuum
-
-TICK = os.sysconf("SC_CLK_TCK")
-
 
 # -------------------------------------------------------------------------
 # CPU accounting from /proc
 # -------------------------------------------------------------------------
-
-def _proc_cpu(pid: int) -> float:
-    """utime + stime of one process, in seconds (0 when it is gone)."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / TICK  # fields 14 and 15 of proc(5)
-
 
 def _children(ppid: int) -> list[int]:
     out = []
@@ -66,8 +54,8 @@ class CpuMeter:
         self.brokers = brokers
 
     def _snap(self) -> dict:
-        pg = sum(_proc_cpu(p) for p in _children(self.postmaster))
-        return {"brokers": [_proc_cpu(b.proc.pid) for b in self.brokers], "pg": pg, "machine": _machine_busy(),
+        pg = sum(proc_cpu(p) for p in _children(self.postmaster))
+        return {"brokers": [proc_cpu(b.proc.pid) for b in self.brokers], "pg": pg, "machine": _machine_busy(),
                 "t": time.monotonic()}
 
     def start(self) -> None:
