@@ -643,15 +643,14 @@ def _fast_batch(raw: bytes, max_values: int, *, max_ops: int, stage_bytes: int) 
 def _schedule_call(ops: list[dict] | FastBatch, tenant: str, producer_sub: str | None, settings,
                    **extra) -> dict:
     """SCHEDULE_SQL's parameters: the ops' columns and the caller's and broker's settings."""
-    if isinstance(ops, FastBatch):
-        return _with_settings(_array_params(ops.columns), tenant, producer_sub, settings, minting=False, **extra)
-    return _with_settings(_schedule_params(ops), tenant, producer_sub, settings, minting=_minting(ops), **extra)
+    params = _array_params(ops.columns) if isinstance(ops, FastBatch) else _schedule_params(ops)
+    return _with_settings(params, tenant, producer_sub, settings, minting=_minting(ops), **extra)
 
 
-def _minting(ops: list[dict]) -> bool:
+def _minting(ops: list[dict] | FastBatch) -> bool:
     """Whether PostgreSQL may mint a txn for the batch: an op without one (only an
-    upsert's is minted; a fast batch has a txn in every op)."""
-    return not all(o["txn"] for o in ops)
+    upsert's is minted). Never a fast batch: it has a txn in every op."""
+    return not isinstance(ops, FastBatch) and not all(o["txn"] for o in ops)
 
 
 def _with_settings(params: dict, tenant: str, producer_sub: str | None, settings, **extra) -> dict:
@@ -672,7 +671,7 @@ def _route_statement(batch: list[dict] | FastBatch, principal, settings, upserts
             params = _array_params({k: v for k, v in cols.items() if k not in packed})
             params.update(packed)
             return SCHEDULE_PACKED_JSON_SQL, _with_settings(params, principal.tenant, principal.sub, settings,
-                                                             encrypt_check=check, minting=False)
+                                                             encrypt_check=check, minting=_minting(batch))
     return SCHEDULE_JSON_SQL, _schedule_call(batch, principal.tenant, principal.sub, settings,
                                              encrypt_check=check)
 
