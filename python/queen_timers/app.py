@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 
@@ -134,7 +135,7 @@ class HotRoutes:
 
     on_direct = staticmethod(lambda: None)  # counts the requests server.py's direct lane serves
 
-    def __init__(self, routes: list[tuple[Route, str]], answers: dict | None = None):
+    def __init__(self, routes: list[tuple[Route, str]], answers: dict | None = None, starts: dict | None = None):
         # a route's own matching: a RawRoute (the timer key route) on the raw path, where
         # `%2F` is inside a segment; any other Route on the decoded path, as Starlette does
         self.lanes = [(route.raw_params if isinstance(route, RawRoute) else _decoded_matcher(route),
@@ -144,9 +145,12 @@ class HotRoutes:
         self.raw_lanes = {method: [(route.raw_match, route.endpoint) for route, m in routes if m == method]
                           for method in {m for _, m in routes}
                           if all(isinstance(route, RawRoute) for route, m in routes if m == method)}
-        # endpoint -> answer(app, scope): its 200 answer's JSON without a Request or a
-        # Response, for server.py's direct lane (respond_direct)
+        # endpoint -> answer(app, scope, started=None): its 200 answer's JSON without a Request
+        # or a Response, for server.py's direct lane (respond_direct)
         self.answers = answers or {}
+        # endpoint -> start(app, scope): the answer's first half, synchronous (its statement on
+        # the wire), which the direct lane runs before it builds the request's task
+        self.starts = starts or {}
 
     def match(self, scope):
         method = scope["method"]
@@ -174,14 +178,18 @@ class HotRoutes:
         except Exception as exc:
             return await self._handle(app, request, exc)
 
-    async def respond_direct(self, app: Starlette, answer, hit, scope, receive) -> tuple[int, list, bytes]:
+    async def respond_direct(self, app: Starlette, answer, hit, scope, receive,
+                             started=None) -> tuple[int, list, bytes]:
         """respond's status, headers and body for an endpoint with an answer function: the
         same bytes (Response's headers for a JSON body), without building either object
-        on success (a tenth of the direct lane's CPU on a DELETE)."""
+        on success (a tenth of the direct lane's CPU on a DELETE). `started`: what the
+        endpoint's start returned, or the exception it raised (answered as raised by answer)."""
         scope["app"] = app
         scope["path_params"] = hit[1]
         try:
-            body = await answer(app, scope)
+            if isinstance(started, Exception):
+                raise started
+            body = await answer(app, scope, started)
         except Exception as exc:
             response = await self._handle(app, Request(scope, receive), exc)
             return response.status_code, response.raw_headers, response.body
@@ -225,6 +233,11 @@ class BrokerApp(Starlette):
         wait = self.turns.start(self.auth.turn_key(scope))
         if wait is not None:
             await wait
+
+    def turn_now(self, scope) -> asyncio.Future | None:
+        """take_turn, synchronously: None when the request starts now, else the future to
+        await before it does (the turn is taken either way)."""
+        return None if self.turns is None else self.turns.start(self.auth.turn_key(scope))
 
     async def __call__(self, scope, receive, send) -> None:
         if self.turns is not None and scope["type"] == "http":
@@ -300,7 +313,8 @@ def create_app(settings: Settings | None = None) -> Starlette:
     # Host header: an unknown path is a JSON 404 here like any other
     app.router.redirect_slashes = False
     app.hot = HotRoutes([(routes_timers.SCHEDULE_ROUTE, "POST"), (routes_timers.KEY_ROUTE, "DELETE")],
-                        answers={routes_timers.KEY_ROUTE.endpoint: routes_timers.cancel_answer})
+                        answers={routes_timers.KEY_ROUTE.endpoint: routes_timers.cancel_answer},
+                        starts={routes_timers.KEY_ROUTE.endpoint: routes_timers.cancel_start})
     app.hot.on_direct = sweeper.metrics.http_direct.inc
     app.on_connection_reclaimed = sweeper.metrics.http_reclaimed.inc
     app.on_send_timed_out = sweeper.metrics.http_send_timeouts.inc

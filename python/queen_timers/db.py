@@ -238,23 +238,91 @@ async def fetch_row(conn: AsyncConnection, statement: Statement, params: dict, *
     server connection. A database error is raised as psycopg
     raises it (errors.from_exception maps it); a lost connection as
     OperationalError, and the connection is closed (the pool replaces it)."""
-    pg = conn.pgconn
     values = statement.values(params)
+    wire, preparing = _send(conn, statement, values, prepare)
+    return await _receive(conn.pgconn, wire, statement, preparing, values)
+
+
+def _send(conn: AsyncConnection, statement: Statement, values: list, prepare: bool | None) -> tuple[_Wire, bool]:
+    """fetch_row's first message on the wire, without waiting: the statement, or its
+    PREPARE when this connection has yet to prepare it (True: _receive sends the
+    statement once that is done)."""
+    pg = conn.pgconn
     wire = _WIRES.get(conn)
     if wire is None:
         wire = _WIRES[conn] = _Wire(conn, asyncio.get_running_loop())
-    if wire.prepare if prepare is None else prepare:
-        if statement.name not in wire.prepared:
-            pg.send_prepare(statement.name, statement.text)
-            _check(await _result(wire.loop, pg))
-            wire.prepared.add(statement.name)
-        pg.send_query_prepared(statement.name, values, param_formats=statement.formats)
-    else:
+    if not (wire.prepare if prepare is None else prepare):
         pg.send_query_params(statement.text, values, param_formats=statement.formats)
+        return wire, False
+    if statement.name in wire.prepared:
+        pg.send_query_prepared(statement.name, values, param_formats=statement.formats)
+        return wire, False
+    pg.send_prepare(statement.name, statement.text)
+    return wire, True
+
+
+async def _receive(pg: pq.abc.PGconn, wire: _Wire, statement: Statement, preparing: bool,
+                   values: list | None = None) -> tuple[str | None, ...] | None:
+    """fetch_row's row, once _send's message is on the wire."""
+    if preparing:
+        _check(await _result(wire.loop, pg))
+        wire.prepared.add(statement.name)
+        pg.send_query_prepared(statement.name, values, param_formats=statement.formats)
     res = _check(await _result(wire.loop, pg))
     if res.ntuples == 0:
         return None
     return tuple(None if (v := res.get_value(0, i)) is None else v.decode() for i in range(res.nfields))
+
+
+class Call:
+    """fetch_row in two halves on a leased connection, for a request that can be
+    started synchronously (server.py's direct lane sends the DELETE's statement from
+    the parser's callback, before the request's task exists, so PostgreSQL runs it
+    while the broker builds the rest): `start` takes a pool connection at once
+    (Lease.take_now) and puts the statement on the wire, or returns None when a
+    connection (or the tenant's share of them) would have to be waited for; `row`
+    waits for the row and gives the connection back. `row` raises what fetch_row and
+    the lease raise (an error of the send included), the connection already given
+    back; `abandon` ends a call whose `row` will never run (its task was cancelled
+    before it started)."""
+    __slots__ = ("lease", "conn", "statement", "values", "wire", "preparing", "error", "open")
+
+    def __init__(self, lease: Lease, conn: AsyncConnection, statement: Statement, params: dict):
+        self.lease, self.conn, self.statement = lease, conn, statement
+        self.wire = self.error = None
+        self.values = None
+        self.preparing = False
+        self.open = True
+        try:
+            self.values = statement.values(params)
+            self.wire, self.preparing = _send(conn, statement, self.values, None)
+        except Exception as exc:  # raised by row(), with the lease's end
+            self.error = exc
+
+    @classmethod
+    def start(cls, pool: BrokerPool, tenant: str | None, statement: Statement, params: dict) -> "Call | None":
+        lease = pool.connection(tenant=tenant)
+        conn = lease.take_now()
+        return None if conn is None else cls(lease, conn, statement, params)
+
+    async def row(self) -> tuple[str | None, ...] | None:
+        lease, self.open = self.lease, False
+        try:
+            if self.error is not None:
+                raise self.error
+            row = await _receive(self.conn.pgconn, self.wire, self.statement, self.preparing, self.values)
+        except BaseException as exc:
+            await lease.__aexit__(type(exc), exc, exc.__traceback__)
+            raise
+        if not lease.give_now():
+            await lease.__aexit__(None, None, None)
+        return row
+
+    def abandon(self) -> None:
+        if self.open:
+            self.open = False
+            self.conn.pgconn.finish()  # a statement may be in flight: no one may reuse the connection
+            asyncio.get_running_loop().create_task(self.lease._end(None))
 
 
 def _check(res: pq.abc.PGresult) -> pq.abc.PGresult:
@@ -477,12 +545,36 @@ class Lease:
             self.bound = bound
         return conn
 
-    async def __aexit__(self, typ, exc, tb) -> None:
+    def take_now(self) -> AsyncConnection | None:
+        """__aenter__ where it has nothing to wait for, without a coroutine: the connection
+        (an idle one, within the tenant's share, directly to PostgreSQL), or None, having
+        taken nothing (await the lease instead)."""
+        pool, tenant = self.pool, self.tenant
+        if pool.pooled:
+            return None  # behind a transaction pooler: the statement timeout's transaction first
+        if tenant is not None and not pool._take_share_now(tenant):
+            return None
+        conn = pool._take_idle()
+        if conn is None:
+            if tenant is not None:
+                pool._give_share(tenant)
+            return None
+        self.conn = conn
+        return conn
+
+    def give_now(self) -> bool:
+        """The common end of a lease whose work succeeded, without a coroutine: False when
+        it needs __aexit__ (a transaction to commit, a connection to close or to queue)."""
         pool, conn = self.pool, self.conn
-        if exc is None and self.bound is None and id(conn) not in pool._discard and pool._give_idle(conn):
-            if self.tenant is not None:  # the common end, without _end's coroutine
+        if self.bound is None and id(conn) not in pool._discard and pool._give_idle(conn):
+            if self.tenant is not None:
                 pool._give_share(self.tenant)
-            return
+            return True
+        return False
+
+    async def __aexit__(self, typ, exc, tb) -> None:
+        if exc is None and self.give_now():
+            return  # the common end, without _end's coroutine
         bound, self.bound = self.bound, None
         if bound is not None:
             try:

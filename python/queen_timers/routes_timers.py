@@ -306,12 +306,20 @@ async def _run_on(app, scope: dict, fn, *, hint: bool = False, read: bool = Fals
         async with pool.connection(tenant=scope.get(TENANT_KEY)) as conn:
             return await fn(conn)
     except Exception as exc:  # mapped here or re-raised to app.py's handler
-        mapped = from_exception(exc)
-        if mapped is None:
+        if (mapped := _mapped(exc, hint)) is exc:
             raise
-        if hint:
-            _add_hint(mapped)
         raise mapped from None
+
+
+def _mapped(exc: Exception, hint: bool = False) -> Exception:
+    """What a route raises for `exc`, raised by its database work: the ApiError it maps
+    to (errors.from_exception), or `exc` itself (re-raised, for app.py's handler)."""
+    mapped = from_exception(exc)
+    if mapped is None:
+        return exc
+    if hint:
+        _add_hint(mapped)
+    return mapped
 
 
 def _add_hint(error: ApiError) -> None:
@@ -767,10 +775,25 @@ async def cancel(request: Request) -> Response:
     return Response(await cancel_answer(request.app, request.scope), media_type="application/json")
 
 
-async def cancel_answer(app, scope: dict) -> bytes:
-    """The DELETE's answer (JSON), from the request's scope alone: server.py's direct lane
-    writes it without a Request or a Response (app.HotRoutes). Raises what the route's
-    handlers answer (ApiError, and the database's errors mapped by _run_on)."""
+class CancelStart:
+    """cancel_start's half of a DELETE: the checked request, and its statement's call
+    when a connection was to be had at once (None: cancel_answer waits for one)."""
+    __slots__ = ("tenant", "queue", "key", "txn", "call")
+
+    def __init__(self, tenant: str, queue: str, key: str, txn: str | None, call: db.Call | None):
+        self.tenant, self.queue, self.key, self.txn, self.call = tenant, queue, key, txn, call
+
+    def abandon(self) -> None:
+        """The request's task was cancelled before it began: its call is never awaited."""
+        if self.call is not None:
+            self.call.abandon()
+
+
+def cancel_start(app, scope: dict) -> CancelStart:
+    """The DELETE up to its statement on the wire, synchronously: server.py's direct lane
+    calls it from the parser's callback, so that PostgreSQL runs queen.cancel_timer while
+    the broker builds the request's task (app.HotRoutes). Raises what the route answers
+    before any database work (ApiError: 401, 403, 400, a tenant's request share)."""
     principal = app.auth.require_scope(scope, READ_WRITE)
     queue, key = _scope_path_or_400(scope)
     if not key:
@@ -778,17 +801,39 @@ async def cancel_answer(app, scope: dict) -> bytes:
     txn = query_param(scope, "txn") if scope["query_string"] else None
     if txn is not None:
         check_name("txn", txn, "")
+    tenant = principal.tenant
+    # through libpq itself, prepared on its pooled connection (never behind a transaction
+    # pooler: the next call may run on another server connection; see db.fetch_row)
+    call = db.Call.start(app.state.pool, scope.get(TENANT_KEY), CANCEL,
+                         {"tenant": tenant, "queue": queue, "timer_key": key})
+    return CancelStart(tenant, queue, key, txn, call)
 
-    async def work(conn):
-        # through libpq itself, prepared on its pooled connection (never behind a transaction
-        # pooler: the next call may run on another server connection; see db.fetch_row)
-        row = await db.fetch_row(conn, CANCEL, {"tenant": principal.tenant, "queue": queue, "timer_key": key})
-        return row[0]
 
-    status = await _run_on(app, scope, work)
+async def cancel_answer(app, scope: dict, start: CancelStart | None = None) -> bytes:
+    """The DELETE's answer (JSON), from the request's scope alone (and cancel_start's half,
+    when the direct lane began it): server.py's direct lane writes it without a Request
+    or a Response (app.HotRoutes). Raises what the route's handlers answer (ApiError,
+    and the database's errors mapped by _mapped)."""
+    if start is None:
+        start = cancel_start(app, scope)
+    if start.call is not None:
+        try:
+            row = await start.call.row()
+        except Exception as exc:
+            if (mapped := _mapped(exc)) is exc:
+                raise
+            raise mapped from None
+    else:  # no connection to be had at once: the pool's queue, the tenant's share
+
+        async def work(conn):
+            return await db.fetch_row(conn, CANCEL, {"tenant": start.tenant, "queue": start.queue,
+                                                     "timer_key": start.key})
+
+        row = await _run_on(app, scope, work)
+    status = row[0]
     # orjson: the same compact UTF-8 JSON as JSONResponse, without the stdlib encoder's cost
-    return orjson.dumps({"ok": status == "cancelled", "status": status, "queue": queue,
-                         "timerKey": key, "txn": txn or None})
+    return orjson.dumps({"ok": status == "cancelled", "status": status, "queue": start.queue,
+                         "timerKey": start.key, "txn": start.txn or None})
 
 
 # ---------------------------------------------------------------------------

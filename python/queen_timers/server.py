@@ -217,13 +217,13 @@ class DirectCycle:
     connection_lost, shutdown, the next request's on_headers_complete), for a request
     the direct lane serves: it has no body and no ASGI messages."""
 
-    __slots__ = ("keep_alive", "response_complete", "disconnected", "more_body", "body")
+    __slots__ = ("keep_alive", "response_complete", "disconnected", "more_body", "body", "began")
     message_event = _NoEvent()
     transport = None
 
     def __init__(self, keep_alive: bool):
         self.keep_alive = keep_alive
-        self.response_complete = self.disconnected = False
+        self.response_complete = self.disconnected = self.began = False
         self.more_body = True
         self.body = b""
 
@@ -607,23 +607,43 @@ class JsonErrorHttpToolsProtocol(HttpToolsProtocol):
         hit = hot.match_raw("DELETE", text)
         if hit is None:
             return False
+        # The endpoint's first half (its statement on the wire) before anything else is built:
+        # PostgreSQL runs it while the task is made and scheduled (app.HotRoutes.starts).
+        app, started = self.app, None
+        wait = app.turn_now(scope)
+        start = hot.starts.get(hit[0])
+        if start is not None and wait is None:
+            scope["app"], scope["path_params"] = app, hit[1]
+            try:
+                started = start(app, scope)
+            except Exception as exc:  # answered by the task, as the endpoint's own raise
+                started = exc
         hot.on_direct()
         self.cycle = cycle = DirectCycle(keep_alive=True)
-        task = self.loop.create_task(self._serve_direct(cycle, hit, scope))
-        task.add_done_callback(self.tasks.discard)
+        task = self.loop.create_task(self._serve_direct(cycle, hit, scope, wait, started))
+        # the task may be cancelled before its first step (a stop): its finally never runs
+        task.add_done_callback(lambda t: self._direct_done(t, cycle, scope, started))
         self.tasks.add(task)
         return True
 
-    async def _serve_direct(self, cycle: DirectCycle, hit, scope) -> None:
+    def _direct_done(self, task, cycle: DirectCycle, scope, started) -> None:
+        self.tasks.discard(task)
+        if not cycle.began:  # what the request holds, given back as its finally would
+            if started is not None and not isinstance(started, Exception):
+                started.abandon()
+            release_body(scope)
+
+    async def _serve_direct(self, cycle: DirectCycle, hit, scope, wait, started) -> None:
         # the answer is written first and the request's slot given back after it, as on
         # uvicorn's path (app.HotRoutes.serve): an answer the client does not take parks it
+        cycle.began = True
         try:
-            if self.app.turns is not None:
-                await self.app.take_turn(scope)
+            if wait is not None:  # its tenant's turn (turns.py), taken in _direct
+                await wait
             hot = self.app.hot
             answer = hot.answers.get(hit[0])
             if answer is not None:
-                status, headers, body = await hot.respond_direct(self.app, answer, hit, scope, _no_body)
+                status, headers, body = await hot.respond_direct(self.app, answer, hit, scope, _no_body, started)
             else:
                 response = await hot.respond(self.app, hit, scope, _no_body)
                 status, headers, body = response.status_code, response.raw_headers, response.body

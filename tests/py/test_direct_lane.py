@@ -231,3 +231,53 @@ def test_a_graceful_shutdown_answers_the_delete_in_flight_and_closes(spawn_broke
     # uvicorn re-raises the signal once it has shut down: the exit of a graceful stop
     assert b.proc.wait(timeout=30) == -signal.SIGTERM
     assert "Traceback" not in b.log_path.read_text()
+
+
+def test_a_delete_whose_task_is_cancelled_before_it_begins_gives_back_what_it_took(database_url):
+    """The lane sends the DELETE's statement before it builds the task (cancel_start); a task
+    cancelled before its first step (a stop) never runs its finally, so its done callback
+    gives back the request slot and the connection, which the pool replaces."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from queen_timers import db as qdb
+    from queen_timers.bodies import RequestSlots
+    from queen_timers.config import Settings
+    from queen_timers.routes_timers import CancelStart
+    from queen_timers.server import DirectCycle, JsonErrorHttpToolsProtocol
+
+    async def go():
+        pool = qdb.make_pool(Settings(database_url=database_url, broker_id="lane", pool_min=1, pool_max=1))
+        await pool.open(wait=True)
+        try:
+            slots = RequestSlots(per_tenant=4)
+            app = SimpleNamespace(state=SimpleNamespace(request_slots=slots, body_budget=None))
+            out = {}
+            for began in (False, True):
+                scope = {"app": app}
+                slots.take(scope, "t1")
+                call = qdb.Call.start(pool, "t1", qdb.Statement("SELECT pg_sleep(%(s)s::float8)"), {"s": 0.2})
+                started = CancelStart("t1", "q", "k", None, call)
+                cycle = DirectCycle(keep_alive=True)
+                cycle.began = began
+                task = asyncio.get_running_loop().create_future()
+                task.cancel()
+                protocol = SimpleNamespace(tasks={task})
+                JsonErrorHttpToolsProtocol._direct_done(protocol, task, cycle, scope, started)
+                out[began] = (protocol.tasks, slots.in_use, call.conn.closed, call.open)
+                if began:  # its own finally gives back what it holds
+                    await call.row()
+                    slots.release(scope)
+                for _ in range(50):
+                    if len(pool._pool) == 1 and not pool._pool[0].closed:
+                        break
+                    await asyncio.sleep(0.1)
+            out["pool"] = (len(pool._pool), dict(pool._by_tenant))
+            return out
+        finally:
+            await pool.close()
+
+    out = asyncio.run(go())
+    assert out[False] == (set(), 0, True, False)  # the slot and the call given back, its connection closed
+    assert out[True] == (set(), 1, False, True)  # begun: nothing done for it here
+    assert out["pool"] == (1, {})

@@ -133,3 +133,99 @@ def test_the_lane_stands_aside_while_the_pool_is_busy_deciding(database_url, sta
             return pool._take_idle()
 
     assert run(database_url, body, pool_min=1, pool_max=1) is None
+
+
+# db.Call: fetch_row in two halves on the lane (the direct lane's DELETE, server.py)
+
+ADD = db.Statement("SELECT %(a)s::int + 1, pg_backend_pid()")
+
+
+def test_a_call_is_on_the_wire_when_start_returns_and_gives_the_connection_back(database_url):
+    async def body(pool):
+        first = db.Call.start(pool, "t1", ADD, {"a": 1})
+        in_flight = first.conn.pgconn.transaction_status  # sent, the answer not read yet
+        preparing, held = first.preparing, dict(pool._by_tenant)
+        row1 = await first.row()
+        second = db.Call.start(pool, "t1", ADD, {"a": 41})  # the same (warm) connection, prepared now
+        row2 = await second.row()
+        return in_flight, preparing, second.preparing, held, row1, row2, dict(pool._by_tenant), len(pool._pool)
+
+    in_flight, preparing, prepared_later, held, row1, row2, after, idle = run(database_url, body,
+                                                                               pool_min=2, pool_max=2)
+    assert in_flight == psycopg.pq.TransactionStatus.ACTIVE
+    assert preparing and not prepared_later  # a new connection prepares first, once
+    assert held == {"t1": 1}
+    assert row1[0] == "2" and row2 == ("42", row1[1])
+    assert after == {} and idle == 2
+
+
+def test_a_call_starts_only_when_nothing_is_to_be_waited_for(database_url):
+    async def body(pool):
+        out = {}
+        pool._by_tenant["t1"] = pool.tenant_share  # the tenant holds its share
+        out["share"] = (db.Call.start(pool, "t1", ADD, {"a": 1}), len(pool._pool))
+        pool._by_tenant.clear()
+        held = await pool.getconn()  # the only connection is out
+        out["none idle"] = (db.Call.start(pool, "t2", ADD, {"a": 1}), dict(pool._by_tenant))
+        await pool.putconn(held)
+        out["after"] = await db.Call.start(pool, "t2", ADD, {"a": 1}).row()
+        return out
+
+    out = run(database_url, body, pool_min=1, pool_max=1)
+    assert out["share"] == (None, 1)  # nothing taken: the route waits for its share
+    assert out["none idle"] == (None, {})  # the share it took is given back
+    assert out["after"][0] == "2"
+
+
+def test_no_call_starts_behind_a_transaction_pooler(database_url):
+    async def body(pool):
+        return db.Call.start(pool, None, ADD, {"a": 1}), len(pool._pool)
+
+    # behind pgbouncer, the statement timeout's transaction comes first (db.bounded)
+    assert run(database_url, body, pool_min=1, pool_max=1, pool_mode="transaction") == (None, 1)
+
+
+def test_an_error_before_the_send_is_raised_by_row_and_the_connection_is_given_back(database_url):
+    async def body(pool):
+        call = db.Call.start(pool, "t1", ADD, {"a": "1\0"})  # libpq would cut it at the NUL
+        try:
+            await call.row()
+        except psycopg.DataError as exc:
+            error = exc
+        fine = await db.Call.start(pool, "t1", ADD, {"a": 2}).row()
+        return error, fine, dict(pool._by_tenant), len(pool._pool)
+
+    error, fine, held, idle = run(database_url, body, pool_min=1, pool_max=1)
+    assert "NUL" in str(error)
+    assert fine[0] == "3" and held == {} and idle == 1
+
+
+def test_a_database_error_is_raised_by_row_and_the_connection_stays_in_the_pool(database_url):
+    async def body(pool):
+        call = db.Call.start(pool, None, ADD, {"a": "x"})
+        try:
+            await call.row()
+        except psycopg.errors.InvalidTextRepresentation as exc:
+            error = exc
+        again = await db.Call.start(pool, None, ADD, {"a": 1}).row()
+        return error.sqlstate, call.conn is not None and not call.conn.closed, again, len(pool._pool)
+
+    state, open_, again, idle = run(database_url, body, pool_min=1, pool_max=1)
+    assert state == "22P02" and open_ and again[0] == "2" and idle == 1
+
+
+def test_an_abandoned_call_closes_its_connection_and_the_pool_replaces_it(database_url):
+    async def body(pool):
+        call = db.Call.start(pool, "t1", db.Statement("SELECT pg_sleep(%(s)s::float8)"), {"s": 0.5})
+        call.abandon()  # its task was cancelled before it began: row() never runs
+        call.abandon()  # once only
+        for _ in range(50):
+            if len(pool._pool) == 1 and pool._pool[0] is not call.conn:
+                break
+            await asyncio.sleep(0.1)
+        fresh = await db.Call.start(pool, "t1", ADD, {"a": 1}).row()
+        return call.conn.closed, dict(pool._by_tenant), len(pool._pool), fresh
+
+    closed, held, idle, fresh = run(database_url, body, pool_min=1, pool_max=1)
+    assert closed and held == {} and idle == 1
+    assert fresh[0] == "2"
