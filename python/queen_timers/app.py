@@ -230,8 +230,7 @@ class BrokerApp(Starlette):
         self.draining = True
 
     async def take_turn(self, scope) -> None:
-        wait = self.turns.start(self.auth.turn_key(scope))
-        if wait is not None:
+        if (wait := self.turn_now(scope)) is not None:
             await wait
 
     def turn_now(self, scope) -> asyncio.Future | None:

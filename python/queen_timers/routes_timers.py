@@ -776,12 +776,13 @@ async def cancel(request: Request) -> Response:
 
 
 class CancelStart:
-    """cancel_start's half of a DELETE: the checked request, and its statement's call
-    when a connection was to be had at once (None: cancel_answer waits for one)."""
-    __slots__ = ("tenant", "queue", "key", "txn", "call")
+    """cancel_start's half of a DELETE: the checked request (CANCEL's parameters and the
+    txn it echoes), and its statement's call when a connection was to be had at once
+    (None: cancel_answer waits for one)."""
+    __slots__ = ("params", "txn", "call")
 
-    def __init__(self, tenant: str, queue: str, key: str, txn: str | None, call: db.Call | None):
-        self.tenant, self.queue, self.key, self.txn, self.call = tenant, queue, key, txn, call
+    def __init__(self, params: dict, txn: str | None, call: db.Call | None):
+        self.params, self.txn, self.call = params, txn, call
 
     def abandon(self) -> None:
         """The request's task was cancelled before it began: its call is never awaited."""
@@ -801,12 +802,10 @@ def cancel_start(app, scope: dict) -> CancelStart:
     txn = query_param(scope, "txn") if scope["query_string"] else None
     if txn is not None:
         check_name("txn", txn, "")
-    tenant = principal.tenant
+    params = {"tenant": principal.tenant, "queue": queue, "timer_key": key}
     # through libpq itself, prepared on its pooled connection (never behind a transaction
     # pooler: the next call may run on another server connection; see db.fetch_row)
-    call = db.Call.start(app.state.pool, scope.get(TENANT_KEY), CANCEL,
-                         {"tenant": tenant, "queue": queue, "timer_key": key})
-    return CancelStart(tenant, queue, key, txn, call)
+    return CancelStart(params, txn, db.Call.start(app.state.pool, scope.get(TENANT_KEY), CANCEL, params))
 
 
 async def cancel_answer(app, scope: dict, start: CancelStart | None = None) -> bytes:
@@ -826,14 +825,13 @@ async def cancel_answer(app, scope: dict, start: CancelStart | None = None) -> b
     else:  # no connection to be had at once: the pool's queue, the tenant's share
 
         async def work(conn):
-            return await db.fetch_row(conn, CANCEL, {"tenant": start.tenant, "queue": start.queue,
-                                                     "timer_key": start.key})
+            return await db.fetch_row(conn, CANCEL, start.params)
 
         row = await _run_on(app, scope, work)
     status = row[0]
     # orjson: the same compact UTF-8 JSON as JSONResponse, without the stdlib encoder's cost
-    return orjson.dumps({"ok": status == "cancelled", "status": status, "queue": start.queue,
-                         "timerKey": start.key, "txn": start.txn or None})
+    return orjson.dumps({"ok": status == "cancelled", "status": status, "queue": start.params["queue"],
+                         "timerKey": start.params["timer_key"], "txn": start.txn or None})
 
 
 # ---------------------------------------------------------------------------

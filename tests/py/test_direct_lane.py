@@ -257,7 +257,7 @@ def test_a_delete_whose_task_is_cancelled_before_it_begins_gives_back_what_it_to
                 scope = {"app": app}
                 slots.take(scope, "t1")
                 call = qdb.Call.start(pool, "t1", qdb.Statement("SELECT pg_sleep(%(s)s::float8)"), {"s": 0.2})
-                started = CancelStart("t1", "q", "k", None, call)
+                started = CancelStart({"tenant": "t1", "queue": "q", "timer_key": "k"}, None, call)
                 cycle = DirectCycle(keep_alive=True)
                 cycle.began = began
                 task = asyncio.get_running_loop().create_future()
