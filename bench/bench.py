@@ -237,7 +237,7 @@ def main() -> int:
                     help="seconds between the primary's SIGKILL and pg_ctl promote")
     ap.add_argument("--cancel-n", type=int, default=10000, help="single cancels per SQL run")
     ap.add_argument("--cancel-rounds", type=int, default=7, help="alternating rounds (>= 5)")
-    ap.add_argument("--cancel-http-n", type=int, default=3000, help="HTTP DELETEs per run")
+    ap.add_argument("--cancel-http-n", type=int, default=3000, help="HTTP DELETEs per side and round")
     ap.add_argument("--cancel-load-seconds", type=float, default=20, help="seconds per window under load")
     ap.add_argument("--cancel-load-rounds", type=int, default=5,
                     help="windows under load per client kind (http, sql, fsync), alternating")

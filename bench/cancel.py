@@ -1,6 +1,15 @@
 """Cancel section: queen.cancel_timer against a bare DELETE by key, the HTTP
 DELETE route with 1 and 4 clients, and the HTTP DELETE under fire load.
 
+The DELETE at one client is timed beside cancel_timer in SQL in the same
+seconds: the two (with cancel_timer under synchronous_commit off, and each
+variant broker) interleaved in blocks of 200 calls (delete_blocks), because
+this machine's WAL flush switches between about 0.05 and 0.25 ms within tens
+of milliseconds and a run of each side in turn compared two mixes of the two
+modes (run 21's per-round ratios: 0.62 to 2.9). The section prints the ratio
+of the p50s, the flush's part (synchronous_commit off) and the ratio in the
+blocks of each flush mode (flush_modes).
+
 Under load (issue 12's "p99 <= 5 ms at 200 cancels/s while 1,000 timers/s
 fire"): rounds of windows, each printed, then the median of the per-window
 p99s. The load generator runs in a process of its own (not a thread of the
@@ -315,6 +324,86 @@ def http_run(broker: Broker, admin, clients: int, n: int, blocking: bool | None 
     out.update(outcomes={f"{k[0]} {k[1]}": v for k, v in outcomes.items()}, left=left(admin),
                counter_drop=before - counter(admin))
     return out
+
+
+UNFLUSHED = "sql unflushed"  # delete_blocks' side: cancel_timer with synchronous_commit off
+
+
+def delete_blocks(sides: dict[str, Broker | None], client, unflushed, admin, n: int,
+                  brokers: list[Broker], main: Broker, block: int = BLOCK) -> tuple[dict[str, dict], int]:
+    """The one-client DELETE figures: n calls a side, the sides interleaved in blocks of
+    `block` calls, rotating which goes first (as sql_pair), so that every side shares
+    every second of the disk. A side is a broker (DELETEs from one blocking keep-alive
+    socket, every other broker stopped meanwhile), None (cancel_timer in SQL on
+    `client`, every broker stopped), or UNFLUSHED (the same on `unflushed`, a session
+    with synchronous_commit off: the chain without the WAL flush's wait, which shows
+    what the disk added in that run). This machine's WAL flush runs in two modes, about
+    0.05 or 0.25 ms, that switch within tens of milliseconds (probe of Dec 7: with
+    synchronous_commit off the SQL p50 stays at 0.06 ms in every block of 200); runs of
+    3,000 calls a side one after the other land in different mixes of the two, and the
+    p50 of a mix jumps from one mode to the other (run 21's per-round ratios ran from
+    0.62 to 2.9). Each side's p50 is over all its calls; block_p50s keeps each block's.
+    Returns the sides' figures and how far the pending counter dropped (n a side)."""
+    names = list(sides)
+    prefix = {name: f"k{i}" for i, name in enumerate(names)}
+    seed(admin, n, prefixes=tuple(prefix.values()))
+    before = counter(admin)
+    socks = {name: BlockingHttp("127.0.0.1", b.port) for name, b in sides.items() if isinstance(b, Broker)}
+    lat: dict[str, list[float]] = {name: [] for name in names}
+    blocks: dict[str, list[float]] = {name: [] for name in names}
+    busy = dict.fromkeys(names, 0.0)
+    outcomes: dict[str, dict] = {name: {} for name in names}
+    try:
+        for name, c in socks.items():  # every socket open and served once before the clock starts
+            for b in brokers:
+                b.proc.send_signal(signal.SIGCONT if b is sides[name] else signal.SIGSTOP)
+            c.request("GET", "/health")
+        for bi, start in enumerate(range(1, n + 1, block)):
+            for name in (names if bi % 2 == 0 else names[::-1]):
+                target = sides[name]
+                for b in brokers:
+                    b.proc.send_signal(signal.SIGCONT if b is target else signal.SIGSTOP)
+                keys = [_key(i, prefix[name]) for i in range(start, min(start + block, n + 1))]
+                mine: list[float] = []
+                t0 = time.perf_counter()
+                if isinstance(target, Broker):
+                    c = socks[name]
+                    for key in keys:
+                        t = time.perf_counter()
+                        status, body = c.request("DELETE", f"/api/v1/timers/{QUEUE}/{key}")
+                        mine.append(time.perf_counter() - t)
+                        k = f"{status} {_verdict(status, body)}"
+                        outcomes[name][k] = outcomes[name].get(k, 0) + 1
+                else:
+                    hits = _cancels(unflushed if name == UNFLUSHED else client, "cancel_timer", keys, mine)
+                    outcomes[name]["cancelled"] = outcomes[name].get("cancelled", 0) + hits
+                busy[name] += time.perf_counter() - t0
+                lat[name] += mine
+                blocks[name].append(pct(mine, 50) * 1000)
+    finally:
+        for b in brokers:
+            b.proc.send_signal(signal.SIGCONT if b is main else signal.SIGSTOP)
+        for c in socks.values():
+            c.close()
+    out = {}
+    for name in names:
+        o = _summary(lat[name], busy[name])
+        o.update(outcomes=outcomes[name], left=left(admin, prefix=prefix[name]),
+                 block_p50s=[round(x, 3) for x in blocks[name]])
+        out[name] = o
+    return out, before - counter(admin)
+
+
+def flush_modes(runs: dict[str, list[dict]]) -> dict[str, dict]:
+    """delete_blocks' rounds split by the WAL flush's mode: for each block, the DELETE's
+    p50 over the SQL block's p50 beside it, grouped by whether that SQL block's flush
+    was fast or slow (its p50 within or past twice the round's unflushed p50)."""
+    ratios: dict[str, list[float]] = {"fast flush": [], "slow flush": []}
+    for h, q, u in zip(runs["1"], runs["sql"], runs[UNFLUSHED]):
+        for hb, qb in zip(h["block_p50s"], q["block_p50s"]):
+            ratios["slow flush" if qb > 2 * u["p50_ms"] else "fast flush"].append(hb / qb)
+    return {mode: {"blocks": len(v), "ratio": round(statistics.median(v), 3) if v else None}
+            for mode, v in ratios.items()}
 
 
 # -------------------------------------------------------------------------
@@ -757,42 +846,59 @@ def _bench_cancel(url, broker, res, n, rounds, http_n, load_seconds, fire_rate, 
                 ratio_medians=round(ratio, 3), ratio_per_round=[round(x, 3) for x in ratios],
                 ratio_p50=round(p50_ratio, 3))
 
-        log(f"\n== cancel over HTTP: DELETE /api/v1/timers/:queue/:key, {http_n} per run, 1 client (a blocking "
-            f"socket; and asyncio streams, the client of runs 1-14) and 4 clients, {rounds} alternating rounds ==")
-        # 1 and 4 clients on the broker; with --cancel-load-variant, 1 client on each variant
-        # broker too (the others stopped meanwhile)
-        # and, in every round beside them, cancel_timer in SQL at 1 client for the same count
-        # (every broker stopped): the DELETE's baseline, measured in the same minutes, not in
-        # the SQL section's (this machine's storage drifts from one minute to the next)
-        kinds: list[tuple[str, int, Broker | None, bool | None]] = [
-            ("1", 1, broker, True), ("sql", 1, None, None), ("4", 4, broker, False), ("1 asyncio", 1, broker, False)]
-        kinds += [(f"1 {name}", 1, b, True) for name, b in variants.items()]
+        log(f"\n== cancel over HTTP: DELETE /api/v1/timers/:queue/:key, {http_n} per side and round, {rounds} "
+            f"rounds: at 1 client (a blocking socket) interleaved in blocks of {BLOCK} with cancel_timer in SQL, "
+            f"the same with synchronous_commit off{' and each variant broker' if variants else ''}; then 4 clients "
+            f"and 1 client on asyncio streams (the client of runs 1-14), one run each ==")
+        # The one-client sides share the disk block by block (delete_blocks): the DELETE's
+        # baseline is cancel_timer in SQL in the same seconds, not the SQL section's minutes
+        # earlier nor a run of its own beside (this machine's WAL flush switches modes within
+        # tens of milliseconds). Every broker not timed is stopped, as during the SQL rounds.
+        blocked: dict[str, Broker | None] = {"1": broker, "sql": None, UNFLUSHED: None}
+        blocked.update({f"1 {name}": b for name, b in variants.items()})
+        runs_of: list[tuple[str, int]] = [("4", 4), ("1 asyncio", 1)]
         all_brokers = [broker, *variants.values()]
-        http_runs: dict[str, list[dict]] = {k: [] for k, *_ in kinds}
-        for r in range(rounds):
-            for label, clients, target, blocking in (kinds if r % 2 == 0 else kinds[::-1]):
-                for b in all_brokers:
-                    b.proc.send_signal(signal.SIGCONT if b is target else signal.SIGSTOP)
-                try:
-                    out = http_run(target, admin, clients, http_n, blocking) if target else \
-                        sql_run(client, admin, "cancel_timer", http_n)
-                finally:
+        unflushed = psycopg.connect(url, autocommit=True)
+        unflushed.execute("SET synchronous_commit = off")
+        unflushed.execute("SET pg_stat_statements.track = 'top'")
+        http_runs: dict[str, list[dict]] = {k: [] for k in [*blocked, *(label for label, _ in runs_of)]}
+        try:
+            for r in range(rounds):
+                steps = ["blocks", *runs_of]
+                for step in (steps if r % 2 == 0 else steps[::-1]):
+                    if step == "blocks":
+                        outs, drop = delete_blocks(blocked, client, unflushed, admin, http_n, all_brokers, broker)
+                        for label, out in outs.items():
+                            http_runs[label].append(out)
+                        flush_slow = sum(x > 2 * outs[UNFLUSHED]["p50_ms"] for x in outs["sql"]["block_p50s"])
+                        log(f"  round {r + 1} 1 client, blocks of {BLOCK}: "
+                            + "  ".join(f"{'DELETE' if label == '1' else label} p50 {out['p50_ms']:.3f} ms"
+                                        for label, out in outs.items())
+                            + f"; SQL blocks with a slow flush (p50 > 2x unflushed): {flush_slow} of "
+                            f"{len(outs['sql']['block_p50s'])}")
+                        bad = {label: out for label, out in outs.items()
+                               if out["left"] or sum(out["outcomes"].values()) != http_n
+                               or set(out["outcomes"]) - {"200 cancelled", "cancelled"}}
+                        if bad or drop != http_n * len(outs):
+                            log(f"  WARNING: not every key cancelled once: {bad or ''} counter -{drop}")
+                        continue
+                    label, clients = step
                     for b in all_brokers:
                         b.proc.send_signal(signal.SIGCONT if b is broker else signal.SIGSTOP)
-                http_runs[label].append(out)
-                if target is None:
-                    log(f"  round {r + 1} cancel_timer (SQL, 1 client): p50 {out['p50_ms']:.2f} ms  "
-                        f"p99 {out['p99_ms']:.2f} ms")
-                    continue
-                log(f"  round {r + 1} {label} client{'s' if clients > 1 else ''}: {out['per_s']:6.0f} cancels/s  "
-                    f"p50 {out['p50_ms']:.2f} ms  p99 {out['p99_ms']:.2f} ms  {out['outcomes']}")
+                    out = http_run(broker, admin, clients, http_n, blocking=False)
+                    http_runs[label].append(out)
+                    log(f"  round {r + 1} {label} client{'s' if clients > 1 else ''}: {out['per_s']:6.0f} "
+                        f"cancels/s  p50 {out['p50_ms']:.2f} ms  p99 {out['p99_ms']:.2f} ms  {out['outcomes']}")
+        finally:
+            unflushed.close()
         hmed = {c: {k: statistics.median(x[k] for x in v) for k in ("per_s", "p50_ms", "p99_ms")}
                 for c, v in http_runs.items()}
         for c, v in hmed.items():
-            name = "cancel_timer SQL" if c == "sql" else f"{c} client{'s' if c.startswith('4') else ''}"
-            log(f"  median {name}: {v['per_s']:6.0f} cancels/s  p50 {v['p50_ms']:.2f} ms  p99 {v['p99_ms']:.2f} ms")
+            name = {"sql": "cancel_timer SQL", UNFLUSHED: "cancel_timer SQL, synchronous_commit off"}.get(
+                c, f"{c} client{'s' if c.startswith('4') else ''}")
+            log(f"  median {name}: {v['per_s']:6.0f} cancels/s  p50 {v['p50_ms']:.3f} ms  p99 {v['p99_ms']:.2f} ms")
         # the shell's cost: DELETE's p50 at one client against cancel_timer's in SQL, both
-        # from the rounds above (the SQL section's p50, minutes earlier, printed beside it)
+        # from the blocks above (the SQL section's p50, minutes earlier, printed beside it)
         shell = hmed["1"]["p50_ms"] / hmed["sql"]["p50_ms"]
         per_round = [h["p50_ms"] / q["p50_ms"] for h, q in zip(http_runs["1"], http_runs["sql"])]
         log(f"  ratio DELETE p50 (1 client) / cancel_timer p50 (SQL): {shell:.2f} "
@@ -800,11 +906,18 @@ def _bench_cancel(url, broker, res, n, rounds, http_n, load_seconds, fire_rate, 
             f"{', '.join(f'{x:.2f}' for x in per_round)}; against the SQL section's "
             f"{med['cancel_timer']['p50_ms']:.3f} ms: {hmed['1']['p50_ms'] / med['cancel_timer']['p50_ms']:.2f}) "
             f"(target <= {TARGET_DELETE_VS_SQL_P50}) {'met' if shell <= TARGET_DELETE_VS_SQL_P50 else 'MISSED'}")
+        log(f"  the WAL flush's part: cancel_timer p50 {hmed['sql']['p50_ms']:.3f} ms, "
+            f"{hmed[UNFLUSHED]['p50_ms']:.3f} ms with synchronous_commit off; the shell's own: DELETE p50 - SQL p50 "
+            f"= {(hmed['1']['p50_ms'] - hmed['sql']['p50_ms']) * 1000:.0f} us")
+        by_mode = flush_modes(http_runs)
+        log("  by the flush's mode (each block's DELETE p50 / the SQL block's beside it, medians; a slow flush: the "
+            "SQL block's p50 past 2x the unflushed p50 of its round): "
+            + "; ".join(f"{mode} {v['ratio']:.2f} ({v['blocks']} blocks)" if v["blocks"] else f"{mode} none"
+                        for mode, v in by_mode.items()))
         old_client = hmed["1 asyncio"]["p50_ms"] / hmed["sql"]["p50_ms"]
-        log(f"  the same with the asyncio-streams client of runs 1-14: {old_client:.2f} "
-            f"({hmed['1 asyncio']['p50_ms']:.3f} ms; the client's own cost "
-            f"{(hmed['1 asyncio']['p50_ms'] - hmed['1']['p50_ms']) * 1000:.0f} us of p50)")
-        for name in variants:  # each variant's DELETE beside the same SQL rounds and the broker's
+        log(f"  the same with the asyncio-streams client of runs 1-14 (a run of its own, not in the blocks): "
+            f"{old_client:.2f} ({hmed['1 asyncio']['p50_ms']:.3f} ms)")
+        for name in variants:  # each variant's DELETE beside the same SQL blocks and the broker's
             v = http_runs[f"1 {name}"]
             vs_sql = [h["p50_ms"] / q["p50_ms"] for h, q in zip(v, http_runs["sql"])]
             broker_vs = [b["p50_ms"] / h["p50_ms"] for b, h in zip(http_runs["1"], v)]
@@ -815,7 +928,7 @@ def _bench_cancel(url, broker, res, n, rounds, http_n, load_seconds, fire_rate, 
                 f"{', '.join(f'{x:.2f}' for x in broker_vs)})")
         res.put("cancel_http", n=http_n, rounds=rounds, ratio_p50_vs_sql=round(shell, 3),
                 ratio_p50_vs_sql_asyncio_client=round(old_client, 3),
-                ratio_p50_per_round=[round(x, 3) for x in per_round],
+                ratio_p50_per_round=[round(x, 3) for x in per_round], ratio_p50_by_flush_mode=by_mode,
                 median={f"{c}_clients": {k: round(x, 3) for k, x in v.items()} for c, v in hmed.items()},
                 runs={f"{c}_clients": [{k: (round(x, 3) if isinstance(x, float) else x) for k, x in o.items()}
                                        for o in v] for c, v in http_runs.items()})
