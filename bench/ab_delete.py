@@ -101,9 +101,8 @@ def blocks(brokers: dict, url: str, admin, rev: str, args) -> None:
         f"{args.n} a side in blocks of {cancel.BLOCK} beside cancel_timer in SQL ==")
     with psycopg.connect(url, autocommit=True) as client:
         for r in range(args.rounds):
-            order = sides if r % 2 == 0 else dict(reversed(list(sides.items())))
-            c0 = {k: proc_cpu(b.proc.pid) for k, b in brokers.items()}
-            outs, drop = cancel.delete_blocks(order, client, None, admin, args.n, list(brokers.values()), None)
+            c0 = {k: proc_cpu(b.proc.pid) for k, b in brokers.items()}  # delete_blocks rotates the order itself
+            outs, drop = cancel.delete_blocks(sides, client, None, admin, args.n, list(brokers.values()), None)
             for b in brokers.values():
                 b.proc.send_signal(signal.SIGCONT)
             for k, b in brokers.items():  # a broker runs only in its own blocks (the other stopped)
@@ -118,7 +117,7 @@ def blocks(brokers: dict, url: str, admin, rev: str, args) -> None:
     for k in sides:
         m = modes[k]
         log(f"  median {k}: p50 {statistics.median(o['p50_ms'] for o in runs[k]):.3f} ms; in the fast mode "
-            f"{m['fast_p50_ms'] or 0:.3f} ms, {m['slow_blocks']} of {m['blocks']} blocks slow"
+            f"{m['fast_p50_ms']:.3f} ms, {m['slow_blocks']} of {m['blocks']} blocks slow"
             + (f"; broker CPU {statistics.median(cpu[k]):.1f} us per DELETE" if k in cpu else ""))
     fast = {k: modes[k]["fast_p50_ms"] for k in brokers}
     log(f"  this tree / {rev}, p50 in the fast mode: {fast['this tree'] / fast[rev]:.3f}")

@@ -288,6 +288,17 @@ async def _http_cancels(broker: Broker, keys: list[str], clients: int) -> tuple[
             c.close()
 
 
+def _deletes(c: "BlockingHttp", keys, lat: list[float], outcomes: dict) -> None:
+    """One DELETE per key on `c`, each call's seconds appended to lat and its (status,
+    verdict) counted in outcomes: the HTTP twin of _cancels."""
+    for key in keys:
+        t = time.perf_counter()
+        status, body = c.request("DELETE", f"/api/v1/timers/{QUEUE}/{key}")
+        lat.append(time.perf_counter() - t)
+        k = (status, _verdict(status, body))
+        outcomes[k] = outcomes.get(k, 0) + 1
+
+
 def _blocking_cancels(broker: Broker, keys: list[str]) -> tuple[float, list[float], dict]:
     lat: list[float] = []
     outcomes: dict = {}
@@ -295,12 +306,7 @@ def _blocking_cancels(broker: Broker, keys: list[str]) -> tuple[float, list[floa
     try:
         c.request("GET", "/health")  # open and served once before the clock starts
         t0 = time.perf_counter()
-        for key in keys:
-            t = time.perf_counter()
-            status, body = c.request("DELETE", f"/api/v1/timers/{QUEUE}/{key}")
-            lat.append(time.perf_counter() - t)
-            k = (status, _verdict(status, body))
-            outcomes[k] = outcomes.get(k, 0) + 1
+        _deletes(c, keys, lat, outcomes)
         return time.perf_counter() - t0, lat, outcomes
     finally:
         c.close()
@@ -369,13 +375,7 @@ def delete_blocks(sides: dict[str, Broker | None], client, unflushed, admin, n: 
                 mine: list[float] = []
                 t0 = time.perf_counter()
                 if isinstance(target, Broker):
-                    c = socks[name]
-                    for key in keys:
-                        t = time.perf_counter()
-                        status, body = c.request("DELETE", f"/api/v1/timers/{QUEUE}/{key}")
-                        mine.append(time.perf_counter() - t)
-                        k = f"{status} {_verdict(status, body)}"
-                        outcomes[name][k] = outcomes[name].get(k, 0) + 1
+                    _deletes(socks[name], keys, mine, outcomes[name])
                 else:
                     hits = _cancels(unflushed if name == UNFLUSHED else client, "cancel_timer", keys, mine)
                     outcomes[name]["cancelled"] = outcomes[name].get("cancelled", 0) + hits
@@ -390,7 +390,9 @@ def delete_blocks(sides: dict[str, Broker | None], client, unflushed, admin, n: 
     out = {}
     for name in names:
         o = _summary(lat[name], busy[name])
-        o.update(outcomes=outcomes[name], left=left(admin, prefix=prefix[name]),
+        o.update(outcomes={(" ".join(map(str, k)) if isinstance(k, tuple) else k): v
+                           for k, v in outcomes[name].items()},
+                 left=left(admin, prefix=prefix[name]),
                  block_p50s=[round(x, 3) for x in blocks[name]])
         out[name] = o
     return out, before - counter(admin)
@@ -926,7 +928,7 @@ def _bench_cancel(url, broker, res, n, rounds, http_n, load_seconds, fire_rate, 
         log(f"  by the WAL flush's mode, each side's blocks of {BLOCK} told by their own p50 (slow: more than "
             f"{SLOW_STEP_MS} ms past the side's fastest block): "
             + "; ".join(f"{label if label != '1' else 'DELETE'} {v['slow_blocks']} of {v['blocks']} slow, fast "
-                        f"{v['fast_p50_ms'] or 0:.3f} / slow {v['slow_p50_ms'] or 0:.3f} ms"
+                        f"{v['fast_p50_ms']:.3f} / slow {v['slow_p50_ms'] or 0:.3f} ms"
                         for label, v in by_mode.items()))
         fast_ratio = by_mode["1"]["fast_p50_ms"] / by_mode["sql"]["fast_p50_ms"]
         log(f"  DELETE / cancel_timer in SQL with both in their fast mode: {fast_ratio:.2f}; the share of blocks in "
