@@ -1,5 +1,6 @@
 // One measure of one Node.js peer (graphile-worker or pg-boss), driven by bench/peers/peers.py.
 //   node node_peer.js '<json config>'   -> one JSON line of figures on stdout
+// (cancel: a line per block asked for on stdin, before that last line)
 // The config: {system, measure, url, ...sizes}. Every wait is bounded (cap_s).
 "use strict";
 const path = require("path");
@@ -128,18 +129,29 @@ async function main() {
       out.per_s = cfg.n / out.secs;
       out.rows = await sys.count();
     } else if (cfg.measure === "cancel") {
+      // n future jobs seeded (untimed), then blocks of single cancels on peers.py's demand, one
+      // JSON line in and out per block ({start, count} -> {lat, secs, hits}; {end} to stop), so
+      // that peers.py can interleave every system's blocks in the same seconds of the disk
       const batches = chunks(cfg.n, 256, (i) => ({ key: `k-${i}`, id: uuid(i + 1), payload: { n: i }, runAt: new Date(Date.now() + 3600e3) }));
       for (const b of batches) await sys.addBatch(b);
-      const lat = [];
-      let hits = 0;
-      const t0 = now();
-      for (let i = 0; i < cfg.n; i++) {
-        const t = process.hrtime.bigint();
-        hits += (await sys.cancelOne(cfg.system === "pg-boss" ? uuid(i + 1) : `k-${i}`)) ? 1 : 0;
-        lat.push(Number(process.hrtime.bigint() - t) / 1e6);
+      process.stdout.write(JSON.stringify({ ready: true, seeded: await sys.count() }) + "\n");
+      const lines = require("readline").createInterface({ input: process.stdin });
+      for await (const line of lines) {
+        const cmd = JSON.parse(line);
+        if (cmd.end) break;
+        const lat = [];
+        let hits = 0;
+        const t0 = process.hrtime.bigint();
+        for (let i = cmd.start; i < cmd.start + cmd.count; i++) {
+          const t = process.hrtime.bigint();
+          hits += (await sys.cancelOne(cfg.system === "pg-boss" ? uuid(i + 1) : `k-${i}`)) ? 1 : 0;
+          lat.push(Number(process.hrtime.bigint() - t) / 1e6);
+        }
+        const secs = Number(process.hrtime.bigint() - t0) / 1e9;
+        process.stdout.write(JSON.stringify({ lat, secs, hits }) + "\n");
       }
-      out.secs = now() - t0;
-      Object.assign(out, { per_s: cfg.n / out.secs, p50_ms: pct(lat, 50), p99_ms: pct(lat, 99), hits, left: await sys.count() });
+      lines.close();
+      out.left = await sys.count();
     } else if (cfg.measure === "drain") {
       // n due jobs seeded first (untimed); the worker runs until all are done or cap_s
       const conc = cfg.concurrency || sys.defaults.concurrency;

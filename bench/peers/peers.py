@@ -8,13 +8,15 @@ Measures (sizes are options; --quick for a smoke run):
   on its own table for queen's own ratio);
 - drain: n due jobs by each system's worker at its default and a tuned concurrency, capped
   at --drain-cap seconds (the partial count is printed);
-- cancel: single cancels by key (pg-boss: by id), p50/p99 (queen: cancel_timer and the bare
-  delete interleaved in blocks of 200, queen's own ratio, then DELETE over HTTP);
+- cancel: single cancels by key (pg-boss: by id), p50/p99, one client a side, every system's
+  blocks of 200 calls interleaved (queen: cancel_timer, the bare delete for queen's own ratio,
+  and DELETE over HTTP);
 - lag: --lag-rate jobs/s for --lag-seconds, each due 2 s after it was scheduled; lag = start
   (queen: commit of the fired frame) minus the due instant. The peers read both instants on the
   host clock, which is the database's clock (one machine); queen reads both in the database.
 The peers run in their own processes (node bench/peers/node_peer.js, the peers' venv python
-bench/peers/py_peer.py), one process per measure, printing one JSON line.
+bench/peers/py_peer.py), one process per measure, printing one JSON line (the cancels: a
+process per round, that runs each block when peers.py asks for it).
 """
 
 from __future__ import annotations
@@ -22,9 +24,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import queue
 import statistics
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -50,20 +55,73 @@ TUNED = {
 }
 
 
-def run_peer(system: str, measure: str, url: str, timeout: float, **cfg) -> dict:
+def peer_argv(system: str, measure: str, url: str, **cfg) -> list[str]:
     conf = json.dumps({"system": system, "measure": measure, "url": url, **cfg})
     if system in NODE_PEERS:
-        argv = ["node", str(HERE / "node_peer.js"), conf]
-    else:
-        argv = [str(INSTALL / "venv" / "bin" / "python"), str(HERE / "py_peer.py"), conf]
+        return ["node", str(HERE / "node_peer.js"), conf]
+    return [str(INSTALL / "venv" / "bin" / "python"), str(HERE / "py_peer.py"), conf]
+
+
+def run_peer(system: str, measure: str, url: str, timeout: float, **cfg) -> dict:
     try:
-        p = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
+        p = subprocess.run(peer_argv(system, measure, url, **cfg), capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
         return {"error": f"timed out after {timeout:.0f} s"}
     lines = [x for x in p.stdout.splitlines() if x.startswith("{")]
     if p.returncode != 0 or not lines:
         return {"error": (p.stderr or p.stdout).strip().splitlines()[-1:] or [f"exit {p.returncode}"]}
     return json.loads(lines[-1])
+
+
+class PeerCancels:
+    """A peer's cancel measure as a process of its own that seeds n jobs, then runs blocks
+    of single cancels when asked (a JSON line in and one out per block, node_peer.js and
+    py_peer.py), so that cancel_interleaved can put its blocks between the other systems'.
+    Every wait is bounded by `timeout` seconds."""
+
+    def __init__(self, system: str, url: str, n: int, timeout: float):
+        self.system, self.timeout = system, timeout
+        self.stderr = tempfile.TemporaryFile()
+        self.proc = subprocess.Popen(peer_argv(system, "cancel", url, n=n), stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=self.stderr, text=True, bufsize=1)
+        self.lines: queue.Queue = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+        self.seeded = self._next()["seeded"]
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            if line.startswith("{"):
+                self.lines.put(json.loads(line))
+        self.lines.put(None)  # the process ended
+
+    def _next(self) -> dict:
+        try:
+            got = self.lines.get(timeout=self.timeout)
+        except queue.Empty:
+            raise RuntimeError(f"{self.system}: no answer within {self.timeout:.0f} s") from None
+        if got is None:
+            self.proc.wait(timeout=10)
+            self.stderr.seek(0)
+            tail = self.stderr.read().decode(errors="replace").strip().splitlines()[-1:]
+            raise RuntimeError(f"{self.system} ended (exit {self.proc.returncode}): {tail}")
+        return got
+
+    def block(self, start: int, count: int) -> dict:
+        """count cancels from key index start: {lat: [ms], secs, hits}, as the peer timed them."""
+        self.proc.stdin.write(json.dumps({"start": start, "count": count}) + "\n")
+        return self._next()
+
+    def finish(self) -> dict:
+        self.proc.stdin.write('{"end": true}\n')
+        out = self._next()
+        self.proc.wait(timeout=self.timeout)
+        return out
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self.stderr.close()
 
 
 # ------------------------------------------------------------------ queen
@@ -84,14 +142,83 @@ def queen_schedule(url, broker, admin, side, n, clients) -> dict:
     return schedule.run_side(url, broker, admin, side, ops, clients)
 
 
-def queen_cancel(admin, client, broker, side, n) -> dict:
-    """`http`: DELETE over HTTP from one blocking socket (bench/cancel.py's http_run,
-    as the SQL side's one blocking connection); `sql`: cancel_timer and the bare delete, interleaved
-    in blocks (bench/cancel.py's sql_pair), keyed by side."""
-    if side == "http":
-        return {"http": cancel.http_run(broker, admin, 1, n)}
-    outs = cancel.sql_pair(client, admin, n)
-    return {"cancel_timer": outs["cancel_timer"], "bare": outs["bare_delete"]}
+QUEEN_CANCEL_SIDES = {"cancel_timer": "c", "bare": "b", "http": "h"}  # side -> key prefix
+
+
+def cancel_interleaved(admin, client, broker, peer_urls: dict[str, str], n: int,
+                       block: int = cancel.BLOCK, timeout: float = 300) -> dict[str, dict]:
+    """n single cancels a side, each side one client: queen.cancel_timer and the bare
+    delete on `client`, DELETE over HTTP from one blocking socket (bench/cancel.py's
+    _cancels and _deletes), and every peer's cancel in its own process (PeerCancels). The
+    sides run in blocks of `block` calls, the order rotating from block to block, so that
+    every system meets the same seconds of the disk: this machine's WAL flush switches
+    between about 0.05 and 0.25 ms within tens of milliseconds
+    (bench/history/2026-12-07-delete-blocks.md), and in runs of one system after another,
+    as until Dec 7, a round's ratio moved from 0.73 to 1.09 with the mix each run met. A
+    side's rate is its calls over the time its own blocks took, as each peer timed them."""
+    cancel.seed(admin, n, prefixes=tuple(QUEEN_CANCEL_SIDES.values()))
+    before = cancel.counter(admin)
+    peers: dict[str, PeerCancels] = {}
+    sock = None
+    try:
+        for p, url in peer_urls.items():  # seeded before the clock starts
+            peers[p] = PeerCancels(p, url, n, timeout)
+        sock = cancel.BlockingHttp("127.0.0.1", broker.port)
+        sock.request("GET", "/health")  # open and served once before the clock starts
+        admin.execute("SELECT pg_stat_statements_reset()")
+        names = [f"queen {side}" for side in QUEEN_CANCEL_SIDES] + list(peers)
+        lat: dict[str, list[float]] = {name: [] for name in names}  # seconds
+        blocks: dict[str, list[float]] = {name: [] for name in names}  # each block's p50, ms
+        busy = dict.fromkeys(names, 0.0)
+        hits = dict.fromkeys(names, 0)
+        outcomes: dict = {}
+        for bi, start in enumerate(range(0, n, block)):
+            count = min(block, n - start)
+            for name in names[bi % len(names):] + names[:bi % len(names)]:
+                if name in peers:
+                    got = peers[name].block(start, count)
+                    mine, secs = [x / 1000 for x in got["lat"]], got["secs"]
+                    hits[name] += got["hits"]
+                else:
+                    side = name.split()[1]
+                    keys = [cancel._key(i, QUEEN_CANCEL_SIDES[side]) for i in range(start + 1, start + count + 1)]
+                    mine = []
+                    t0 = time.perf_counter()
+                    if side == "http":
+                        cancel._deletes(sock, keys, mine, outcomes)
+                    else:
+                        hits[name] += cancel._cancels(client, "cancel_timer" if side == "cancel_timer"
+                                                      else "bare_delete", keys, mine)
+                    secs = time.perf_counter() - t0
+                lat[name] += mine
+                busy[name] += secs
+                blocks[name].append(round(pct(mine, 50) * 1000, 3))
+        finals = {p: s.finish() for p, s in peers.items()}
+        drop = before - cancel.counter(admin)
+    finally:
+        if sock is not None:
+            sock.close()
+        for s in peers.values():
+            s.close()
+    hits["queen http"] = outcomes.get((200, "cancelled"), 0)
+    out = {}
+    for name in names:
+        o = cancel._summary(lat[name], busy[name])
+        o.update(hits=hits[name], block_p50s=blocks[name])
+        if name in peers:
+            o.update(left=finals[name]["left"], seeded=peers[name].seeded)
+        else:
+            side = name.split()[1]
+            o.update(left=cancel.left(admin, prefix=QUEEN_CANCEL_SIDES[side]))
+            if side != "bare":
+                o["counter_drop"] = drop  # the pending counter's drop over both sides that cancel
+            if side == "http":
+                o["outcomes"] = {f"{k[0]} {k[1]}": v for k, v in outcomes.items()}
+            else:
+                o["server_us"] = cancel._server_us(admin, "cancel_timer" if side == "cancel_timer"
+                                                   else "bare_delete", n)
+        out[name] = o
+    return out
 
 
 DRAIN_LEAD_S = 8.0
@@ -245,15 +372,13 @@ def main() -> int:
                             record("schedule", f"{s} c{clients}", run_peer(s, "schedule", urls[s], 600,
                                    n=args.schedule_n, batch=256, clients=clients))
             if "cancel" in only:
-                for s in order:
-                    if s == "queen":
-                        for side in ("sql", "http"):
-                            outs = broker_checked(broker, lambda: queen_cancel(admin, client, broker, side,
-                                                                               args.cancel_n))
-                            for label, out in outs.items():
-                                record("cancel", f"queen {label}", out)
-                    else:
-                        record("cancel", s, run_peer(s, "cancel", urls[s], 900, n=args.cancel_n))
+                outs = broker_checked(broker, lambda: cancel_interleaved(
+                    admin, client, broker, {p: urls[p] for p in order if p != "queen"}, args.cancel_n))
+                for label, out in outs.items():
+                    record("cancel", label, out)
+                modes = cancel.flush_modes({label: [o] for label, o in outs.items()}, list(outs))
+                log("    slow blocks (flush_modes: a block's p50 0.1 ms past its side's fastest): "
+                    + ", ".join(f"{label} {m['slow_blocks']}/{m['blocks']}" for label, m in modes.items()))
             if "drain" in only and r < args.slow_rounds:
                 for s in order:
                     if s == "queen":

@@ -1,6 +1,7 @@
 """One measure of one Python peer (procrastinate or PgQueuer), run by bench/peers/peers.py in
 the peers' own venv (bench/peers/.install/venv):  python py_peer.py '<json config>'
-prints one JSON line of figures. Same measures and conventions as node_peer.js."""
+prints one JSON line of figures (cancel: a line per block asked for on stdin, before it).
+Same measures and conventions as node_peer.js."""
 
 from __future__ import annotations
 
@@ -175,18 +176,24 @@ async def main():
             out["secs"] = time.perf_counter() - t0
             out.update(per_s=cfg["n"] / out["secs"], rows=await sys_.count())
         elif m == "cancel":
+            # seeded (untimed), then blocks of single cancels on peers.py's demand (node_peer.js)
             ids = []
             for b in chunks(cfg["n"], 256):
                 ids += await sys_.add_batch(b, future)
-            lat, hits = [], 0
-            t0 = time.perf_counter()
-            for i in ids:
-                t = time.perf_counter()
-                hits += bool(await sys_.cancel_one(i))
-                lat.append((time.perf_counter() - t) * 1000)
-            out["secs"] = time.perf_counter() - t0
-            out.update(per_s=cfg["n"] / out["secs"], p50_ms=pct(lat, 50), p99_ms=pct(lat, 99), hits=hits,
-                       left=await sys_.count())
+            print(json.dumps({"ready": True, "seeded": await sys_.count()}), flush=True)
+            loop = asyncio.get_running_loop()
+            while (line := await loop.run_in_executor(None, sys.stdin.readline)):
+                cmd = json.loads(line)
+                if cmd.get("end"):
+                    break
+                lat, hits = [], 0
+                t0 = time.perf_counter()
+                for i in ids[cmd["start"]:cmd["start"] + cmd["count"]]:
+                    t = time.perf_counter()
+                    hits += bool(await sys_.cancel_one(i))
+                    lat.append((time.perf_counter() - t) * 1000)
+                print(json.dumps({"lat": lat, "secs": time.perf_counter() - t0, "hits": hits}), flush=True)
+            out["left"] = await sys_.count()
         elif m == "drain":
             conc = cfg.get("concurrency", sys_.defaults["concurrency"])
             poll = cfg.get("poll_ms", sys_.defaults["poll_ms"])
