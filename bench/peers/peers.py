@@ -102,7 +102,9 @@ class PeerCancels:
         if got is None:
             self.proc.wait(timeout=10)
             self.stderr.seek(0)
-            tail = self.stderr.read().decode(errors="replace").strip().splitlines()[-1:]
+            # the last line that is not a frame of node's stack: the error's message
+            tail = [x for x in self.stderr.read().decode(errors="replace").strip().splitlines()
+                    if not x.lstrip().startswith("at ")][-1:]
             raise RuntimeError(f"{self.system} ended (exit {self.proc.returncode}): {tail}")
         return got
 
@@ -155,18 +157,24 @@ def cancel_interleaved(admin, client, broker, peer_urls: dict[str, str], n: int,
     between about 0.05 and 0.25 ms within tens of milliseconds
     (bench/history/2026-12-07-delete-blocks.md), and in runs of one system after another,
     as until Dec 7, a round's ratio moved from 0.73 to 1.09 with the mix each run met. A
-    side's rate is its calls over the time its own blocks took, as each peer timed them."""
+    side's rate is its calls over the time its own blocks took, as each peer timed them.
+    A peer that fails (to seed, or in a block) leaves the interleave with its error, and
+    the other sides go on."""
     cancel.seed(admin, n, prefixes=tuple(QUEEN_CANCEL_SIDES.values()))
     before = cancel.counter(admin)
     peers: dict[str, PeerCancels] = {}
+    failed: dict[str, dict] = {}
     sock = None
     try:
         for p, url in peer_urls.items():  # seeded before the clock starts
-            peers[p] = PeerCancels(p, url, n, timeout)
+            try:
+                peers[p] = PeerCancels(p, url, n, timeout)
+            except Exception as exc:
+                failed[p] = {"error": str(exc)}
         sock = cancel.BlockingHttp("127.0.0.1", broker.port)
         sock.request("GET", "/health")  # open and served once before the clock starts
         admin.execute("SELECT pg_stat_statements_reset()")
-        names = [f"queen {side}" for side in QUEEN_CANCEL_SIDES] + list(peers)
+        names = [f"queen {side}" for side in QUEEN_CANCEL_SIDES] + list(peer_urls)
         lat: dict[str, list[float]] = {name: [] for name in names}  # seconds
         blocks: dict[str, list[float]] = {name: [] for name in names}  # each block's p50, ms
         busy = dict.fromkeys(names, 0.0)
@@ -175,8 +183,15 @@ def cancel_interleaved(admin, client, broker, peer_urls: dict[str, str], n: int,
         for bi, start in enumerate(range(0, n, block)):
             count = min(block, n - start)
             for name in names[bi % len(names):] + names[:bi % len(names)]:
+                if name in failed:
+                    continue
                 if name in peers:
-                    got = peers[name].block(start, count)
+                    try:
+                        got = peers[name].block(start, count)
+                    except Exception as exc:
+                        failed[name] = {"error": str(exc)}
+                        peers.pop(name).close()
+                        continue
                     mine, secs = [x / 1000 for x in got["lat"]], got["secs"]
                     hits[name] += got["hits"]
                 else:
@@ -193,16 +208,24 @@ def cancel_interleaved(admin, client, broker, peer_urls: dict[str, str], n: int,
                 lat[name] += mine
                 busy[name] += secs
                 blocks[name].append(round(pct(mine, 50) * 1000, 3))
-        finals = {p: s.finish() for p, s in peers.items()}
+        finals = {}
+        for p, session in peers.items():
+            try:
+                finals[p] = session.finish()
+            except Exception as exc:
+                failed[p] = {"error": str(exc)}
         drop = before - cancel.counter(admin)
     finally:
         if sock is not None:
             sock.close()
-        for s in peers.values():
-            s.close()
+        for session in peers.values():
+            session.close()
     hits["queen http"] = outcomes.get((200, "cancelled"), 0)
     out = {}
     for name in names:
+        if name in failed:
+            out[name] = failed[name]
+            continue
         o = cancel._summary(lat[name], busy[name])
         o.update(hits=hits[name], block_p50s=blocks[name])
         if name in peers:
@@ -376,7 +399,8 @@ def main() -> int:
                     admin, client, broker, {p: urls[p] for p in order if p != "queen"}, args.cancel_n))
                 for label, out in outs.items():
                     record("cancel", label, out)
-                modes = cancel.flush_modes({label: [o] for label, o in outs.items()}, list(outs))
+                timed = [label for label, o in outs.items() if "error" not in o]
+                modes = cancel.flush_modes({label: [outs[label]] for label in timed}, timed)
                 log("    slow blocks (flush_modes: a block's p50 0.1 ms past its side's fastest): "
                     + ", ".join(f"{label} {m['slow_blocks']}/{m['blocks']}" for label, m in modes.items()))
             if "drain" in only and r < args.slow_rounds:
