@@ -24,6 +24,9 @@ class ConfigError(ValueError):
 # found by a sweeper's next wake-up, which this bound keeps in time.
 MAX_SLEEP_CAP_MS = 60_000
 
+# A request head's bytes (server.py): h11's max_incomplete_event_size default, uvicorn's h11 limit.
+MAX_HEAD_BYTES = 16 * 1024
+
 
 def _int(env: dict[str, str], name: str, default: int, minimum: int = 0) -> int:
     raw = env.get(name)
@@ -131,6 +134,8 @@ class Settings:
     jwt_secret: str | None = None
     jwt_public_key: str | None = None
     jwt_leeway_seconds: int = 5
+    # a credential's length: PyJWT's decode costs about 40 us per KB, spent before the tenant's turn
+    jwt_max_bytes: int = 8192
     # the tenant whose admin tokens may flip the cell-wide switches (QUEEN_AUTH=jwt)
     operator_tenant: str = "default"
     tenancy: bool = False
@@ -186,6 +191,7 @@ class Settings:
             jwt_secret=env.get("QUEEN_JWT_SECRET") or None,
             jwt_public_key=env.get("QUEEN_JWT_PUBLIC_KEY") or None,
             jwt_leeway_seconds=_int(env, "QUEEN_JWT_LEEWAY_SECONDS", 5, 0),
+            jwt_max_bytes=_int(env, "QUEEN_JWT_MAX_BYTES", 8192, 64),
             operator_tenant=env.get("QUEEN_OPERATOR_TENANT") or "default",
             tenancy=_choice(env, "QUEEN_TENANCY", "off", ("off", "on")) == "on",
             pool_min=_int(env, "QUEEN_POOL_MIN", 1, 0),
@@ -210,6 +216,9 @@ class Settings:
                               f"{settings.sweeper_max_sleep_ms}")
         if settings.sweeper_min_sleep_ms > settings.sweeper_max_sleep_ms:
             raise ConfigError("QUEEN_SWEEPER_MIN_SLEEP_MS must not exceed QUEEN_SWEEPER_MAX_SLEEP_MS")
+        if settings.jwt_max_bytes > MAX_HEAD_BYTES:
+            raise ConfigError(f"QUEEN_JWT_MAX_BYTES must be <= {MAX_HEAD_BYTES} (the request head's limit), "
+                              f"got {settings.jwt_max_bytes}")
         if auth == "jwt" and not (settings.jwt_secret or settings.jwt_public_key):
             raise ConfigError("QUEEN_AUTH=jwt needs QUEEN_JWT_SECRET or QUEEN_JWT_PUBLIC_KEY")
         return settings

@@ -53,10 +53,9 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
 from .bodies import PROTOCOL_KEY, release_body
-from .config import tenant_share
+from .config import MAX_HEAD_BYTES, tenant_share
 from .convertors import RAW_PATH_KEY
 
-MAX_HEAD_BYTES = 16 * 1024  # h11's max_incomplete_event_size default, uvicorn's h11 limit
 # header fields in one request head: 3,000 empty ones fit in 16 KiB and cost 2-3 ms of CPU
 # for a 401 (every layer walks the list); Node.js stops at 2,000, a client sends about 10
 MAX_HEADERS = 100

@@ -3,6 +3,9 @@ producerSub from the JWT sub, the tenant from the JWT tenant."""
 
 from __future__ import annotations
 
+import base64
+import hmac
+import json
 import time
 
 import jwt
@@ -211,3 +214,114 @@ def test_the_header_must_be_bearer_token(jwt_client, db, make_header):
 def test_bearer_scheme_is_case_insensitive(jwt_client, db):
     r = post(jwt_client, op("schedule", "k"), headers={"Authorization": f"bearer {raw_token()}"})
     assert r.status_code == 200, r.text
+
+
+# ---------------------------------------------------------------------------
+# What checking a credential may cost (it happens before the tenant's turn):
+# QUEEN_JWT_MAX_BYTES, the HS256 filter in front of PyJWT, the tokens already
+# accepted. A legal token is served whatever its size within the limit.
+# ---------------------------------------------------------------------------
+
+def test_a_token_past_the_limit_is_401_and_a_legal_one_within_it_is_served(broker_factory, db):
+    b = broker_factory(QUEEN_AUTH="jwt", QUEEN_JWT_SECRET=JWT_SECRET, QUEEN_JWT_MAX_BYTES="2048")
+    within = raw_token(pad="p" * 1300)
+    past = raw_token(pad="p" * 1400)
+    assert len(within) <= 2048 < len(past)
+    with b.client() as c:
+        assert_refused_401(c, db, {"Authorization": f"Bearer {past}"}, "longer than 2048 bytes (QUEEN_JWT_MAX_BYTES)")
+        r = post(c, op("schedule", "big-token"), headers={"Authorization": f"Bearer {within}"})
+        assert r.status_code == 200, r.text
+    assert [r["timer_key"] for r in rows(db)] == ["big-token"]  # assert_refused_401 cleared its own
+
+
+def test_the_default_limit_serves_a_token_of_7_kb(jwt_client, db):
+    big = raw_token(pad="p" * 5300)
+    assert 7000 < len(big) <= 8192
+    r = post(jwt_client, op("schedule", "k"), headers={"Authorization": f"Bearer {big}"})
+    assert r.status_code == 200, r.text
+    assert jwt_client.delete("/api/v1/timers/reminders/k", headers={"Authorization": f"Bearer {big}"}
+                             ).json()["status"] == "cancelled"
+
+
+@pytest.mark.parametrize("value", ["a.b", "a.b.c.d", "a" * 300])
+def test_a_token_not_of_three_segments_is_401(jwt_client, db, value):
+    assert_refused_401(jwt_client, db, {"Authorization": f"Bearer {value}"}, "three segments")
+
+
+def test_a_token_the_secret_did_not_sign_never_reaches_pyjwt(monkeypatch):
+    """The HS256 filter: PyJWT checks every character of a token in Python (0.5 ms for
+    13 KB), so a token whose MAC is wrong is refused before it; a good one is then checked
+    by PyJWT in full, once: the next request with it is served from the accepted tokens."""
+    from queen_timers import auth
+    from queen_timers.config import Settings
+    a = auth.Authenticator(Settings(database_url="postgresql://127.0.0.1:1/none", auth="jwt",
+                                    jwt_secret=JWT_SECRET))
+    decoded = []
+    real = auth.jwt.decode
+    monkeypatch.setattr(auth.jwt, "decode", lambda *args, **kw: decoded.append(1) or real(*args, **kw))
+
+    def check(token):
+        return a.identify({"type": "http", "headers": [(b"authorization", f"Bearer {token}".encode())]})
+
+    forged = raw_token(secret="another-secret-of-at-least-32-bytes-long!", pad="p" * 5500)
+    for bad in (forged, forged[:-2] + "==", forged.rpartition(".")[0] + "." + "A" * 80,
+                forged.rpartition(".")[0] + ".\u00e9\u00e9"):
+        found = check(bad)
+        assert isinstance(found, auth.ApiError) and found.status == 401, found
+        assert "Signature verification failed" in found.detail, found.detail
+    assert decoded == []
+    good = raw_token(tenant="globex", role="read-only")
+    for _ in range(3):
+        assert check(good) == auth.Principal(tenant="globex", sub="billing-service", role="read-only")
+    assert decoded == [1]
+    # the same token with its signature in another (padded) spelling is checked by PyJWT
+    assert check(good + "=").tenant == "globex" and decoded == [1, 1]
+
+
+def test_an_accepted_token_is_refused_once_it_expires(broker_factory, db):
+    b = broker_factory(QUEEN_AUTH="jwt", QUEEN_JWT_SECRET=JWT_SECRET, QUEEN_JWT_LEEWAY_SECONDS="0")
+    exp = int(time.time()) + 2
+    headers = bearer(exp=exp)
+    with b.client() as c:
+        assert post(c, op("schedule", "k1"), headers=headers).status_code == 200
+        time.sleep(max(0.0, exp - time.time()) + 0.2)
+        r = post(c, op("schedule", "k2"), headers=headers)
+        assert "expired" in assert_error(r, 401, "unauthorized")["detail"]
+        assert post(c, op("schedule", "k3"), headers=bearer()).status_code == 200
+    assert sorted(r["timer_key"] for r in rows(db)) == ["k1", "k3"]
+
+
+def test_a_public_key_verifies_its_tokens_and_no_other(broker_factory, db):
+    """QUEEN_JWT_PUBLIC_KEY: an Ed25519 key accepts EdDSA tokens signed by its private
+    half; a token of another key, or HS256 under any secret, is a 401."""
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+    key, other = Ed25519PrivateKey.generate(), Ed25519PrivateKey.generate()
+    pem = key.public_key().public_bytes(serialization.Encoding.PEM,
+                                        serialization.PublicFormat.SubjectPublicKeyInfo).decode()
+    claims = {"sub": "billing-service", "tenant": "acme", "role": "admin", "exp": int(time.time()) + 600}
+    # the algorithm confusion: HS256 with the public key's PEM as its secret
+    signing_input = ".".join(base64.urlsafe_b64encode(json.dumps(part).encode()).rstrip(b"=").decode()
+                             for part in ({"alg": "HS256", "typ": "JWT"}, claims))
+    confused = signing_input + "." + base64.urlsafe_b64encode(
+        hmac.digest(pem.encode(), signing_input.encode(), "sha256")).rstrip(b"=").decode()
+    b = broker_factory(QUEEN_AUTH="jwt", QUEEN_JWT_PUBLIC_KEY=pem)
+    with b.client() as c:
+        for bad in (jwt.encode(claims, other, algorithm="EdDSA"), jwt.encode(claims, JWT_SECRET, algorithm="HS256"),
+                    confused):
+            assert_error(post(c, op("schedule", "no"), headers={"Authorization": f"Bearer {bad}"}),
+                         401, "unauthorized")
+        good = {"Authorization": f"Bearer {jwt.encode(claims, key, algorithm='EdDSA')}"}
+        for _ in range(2):
+            assert post(c, op("schedule", "yes"), headers=good).status_code == 200
+    assert [r["timer_key"] for r in rows(db)] == ["yes"]
+
+
+def test_the_limit_is_configurable_within_the_request_heads():
+    from queen_timers.config import ConfigError, Settings
+    base = {"QUEEN_DATABASE_URL": "postgresql://x/y"}
+    assert Settings.from_env(base).jwt_max_bytes == 8192
+    assert Settings.from_env({**base, "QUEEN_JWT_MAX_BYTES": "16384"}).jwt_max_bytes == 16384
+    for bad in ("16385", "63", "big"):
+        with pytest.raises(ConfigError, match="QUEEN_JWT_MAX_BYTES"):
+            Settings.from_env({**base, "QUEEN_JWT_MAX_BYTES": bad})

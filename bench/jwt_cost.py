@@ -1,0 +1,128 @@
+#!/usr/bin/env python3
+"""What a credential costs the broker (QUEEN_AUTH=jwt): its CPU per request, from /proc,
+for DELETEs of an absent key from one keep-alive client, by credential, in the same run.
+The credential is checked before the tenant's turn (turns.py), so whatever checking it costs
+is spent before any fairness applies: a client without a valid token must not be able to
+make the broker spend more on its 401 than it spends serving a tenant's request.
+
+    .venv/bin/python bench/jwt_cost.py [--rounds 4] [--n 2000] [--compare /path/to/other/checkout]
+
+Credentials: a valid HS256 token (167 bytes), the same padded to 7.5 KB (within
+QUEEN_JWT_MAX_BYTES' default of 8 KiB), a token of another secret at both sizes, and one of
+13 KB. Target: every 401's CPU <= 1.5x the valid token's request; every valid token's
+request <= 1.5x the small one's. With --compare, a broker of that checkout (its python/, on
+the same database: the schema must be this one's) is timed beside this one's, in the same
+rounds, the order rotating."""
+
+from __future__ import annotations
+
+import argparse
+import socket
+import statistics
+import sys
+import time
+
+from pathlib import Path
+
+import jwt
+
+from harness import ROOT, Cluster, log, pct, proc_cpu, rotated, start_broker
+
+SECRET = "bench-secret-for-queen-timers-hs256-0123456789"
+TARGET = 1.5
+
+
+def token(secret: str, pad: int = 0) -> str:
+    body = {"sub": "bench", "tenant": "acme", "role": "read-write", "exp": int(time.time()) + 3600}
+    if pad:
+        body["pad"] = "p" * pad
+    return jwt.encode(body, secret, algorithm="HS256")
+
+
+CASES = {  # name -> (token, served)
+    "valid": (token(SECRET), True),
+    "valid 7.5 KB": (token(SECRET, 5500), True),
+    "another secret": (token("x" * 40), False),
+    "another secret 7.5 KB": (token("x" * 40, 5500), False),
+    "another secret 13 KB": (token("x" * 40, 9700), False),
+}
+
+
+def request(s: socket.socket, tok: str) -> int:
+    s.sendall(b"DELETE /api/v1/timers/q/k HTTP/1.1\r\nHost: bench\r\nAuthorization: Bearer %s\r\n\r\n"
+              % tok.encode())
+    buf = b""
+    while b"\r\n\r\n" not in buf:
+        chunk = s.recv(65536)
+        if not chunk:
+            raise ConnectionError("the broker closed the connection")
+        buf += chunk
+    head, body = buf.split(b"\r\n\r\n", 1)
+    length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                  if line.lower().startswith(b"content-length:"))
+    while len(body) < length:
+        body += s.recv(65536)
+    return int(head[9:12])
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--n", type=int, default=2000, help="requests per credential and round")
+    ap.add_argument("--compare", type=Path, help="another checkout whose broker is timed beside this one's")
+    args = ap.parse_args()
+    cluster = Cluster()
+    cluster.setup()
+    brokers = {}
+    socks = {}
+    try:
+        url = cluster.create_db("bench")
+        trees = {"this": ROOT, **({"compare": args.compare.resolve()} if args.compare else {})}
+        for side, tree in trees.items():
+            brokers[side] = start_broker(url, name=f"jwt-{side}", PYTHONPATH=str(tree / "python"),
+                                         QUEEN_AUTH="jwt", QUEEN_JWT_SECRET=SECRET)
+            socks[side] = socket.create_connection(("127.0.0.1", brokers[side].port))
+            socks[side].setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        cpu: dict[tuple[str, str], list[float]] = {(side, name): [] for side in trees for name in CASES}
+        for r in range(args.rounds):
+            for side, name in rotated(list(cpu), r):
+                tok, served = CASES[name]
+                lat, codes = [], {}
+                pid = brokers[side].proc.pid
+                before = proc_cpu(pid)
+                for _ in range(args.n):
+                    t0 = time.perf_counter()
+                    code = request(socks[side], tok)
+                    lat.append(time.perf_counter() - t0)
+                    codes[code] = codes.get(code, 0) + 1
+                us = (proc_cpu(pid) - before) / args.n * 1e6
+                cpu[side, name].append(us)
+                if side == "this" and codes != {200 if served else 401: args.n}:
+                    raise RuntimeError(f"{name}: answers {codes}")
+                log(f"  round {r + 1} {side:7s} {name:22s} {len(tok):6,d} bytes: broker CPU {us:5.0f} us a "
+                    f"request, p50 {pct(lat, 50) * 1000:.3f} ms, {codes}")
+        med = {key: statistics.median(v) for key, v in cpu.items()}
+        log(f"\n== medians of {args.rounds} rounds (broker CPU a request; /proc's clock tick is "
+            f"{1e6 / args.n * 0.01:.0f} us over {args.n} requests) ==")
+        ok = True
+        for side in trees:
+            log(f"  {side} ({trees[side]}):")
+            for name in CASES:
+                ratio = med[side, name] / med[side, "valid"]
+                verdict = ""
+                if name != "valid" and side == "this":
+                    met = ratio <= TARGET
+                    ok &= met
+                    verdict = f" (target <= {TARGET}) {'met' if met else 'MISSED'}"
+                log(f"    {name:22s} {med[side, name]:5.0f} us, {ratio:.2f}x its valid token's request{verdict}")
+        return 0 if ok else 1
+    finally:
+        for s in socks.values():
+            s.close()
+        for b in brokers.values():
+            b.stop()
+        cluster.destroy()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
