@@ -7,7 +7,7 @@ make the broker spend more on its 401 than it spends serving a tenant's request.
 
     .venv/bin/python bench/jwt_cost.py [--rounds 4] [--n 2000] [--compare /path/to/other/checkout]
 
-Credentials: a valid HS256 token (167 bytes), the same padded to 7.5 KB (within
+Credentials: a valid HS256 token (172 bytes), the same padded to 7.5 KB (within
 QUEEN_JWT_MAX_BYTES' default of 8 KiB), a token of another secret at both sizes, and one of
 13 KB. Target: every 401's CPU <= 1.5x the valid token's request; every valid token's
 request <= 1.5x the small one's. With --compare, a broker of that checkout (its python/, on
@@ -21,7 +21,6 @@ import socket
 import statistics
 import sys
 import time
-
 from pathlib import Path
 
 import jwt
