@@ -10,10 +10,11 @@ Anything else is a 401: a token that names no tenant never falls back to
 tenant `default`, the namespace of QUEEN_AUTH=off.
 
 A credential is checked before its tenant's turn (turns.py), so what checking
-it costs is bounded here: at most QUEEN_JWT_MAX_BYTES; with a shared secret,
-its HS256 signature first, in C, so that a token the secret did not sign never
-reaches PyJWT (whose decode checks every character in Python: 0.5 ms for a
-13 KB token); and a token already accepted is remembered until its `exp`.
+it costs is bounded here: at most QUEEN_JWT_MAX_BYTES; its signature first, in C
+(HS256 under the secret, or the one algorithm the public key's type allows), so
+that a token the key did not sign never reaches PyJWT (whose decode checks every
+character in Python: 0.5 ms for a 13 KB token); and a token already accepted is
+remembered until its `exp`.
 """
 
 from __future__ import annotations
@@ -25,6 +26,10 @@ import time
 from dataclasses import dataclass
 
 import jwt
+from cryptography.exceptions import InvalidSignature, UnsupportedAlgorithm
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec, ed448, ed25519, padding, rsa
+from jwt.utils import raw_to_der_signature
 from starlette.requests import Request
 
 from . import turns
@@ -62,11 +67,40 @@ PRINCIPAL_KEY = "queen.principal"  # scope key: what identify() found
 ACCEPTED_TOKENS = 1024
 
 
+PUBLIC_KEYS = (rsa.RSAPublicKey, ec.EllipticCurvePublicKey, ed25519.Ed25519PublicKey, ed448.Ed448PublicKey)
+
+
+def load_public_key(text: str):
+    """QUEEN_JWT_PUBLIC_KEY as a key object (PyJWT parses a PEM text again at every
+    decode), or None when cryptography reads no public key of a type PyJWT verifies
+    from it: PyJWT then gets the text, as it would anyway."""
+    for load in (serialization.load_pem_public_key, serialization.load_ssh_public_key):
+        try:
+            key = load(text.encode())
+        except (ValueError, UnsupportedAlgorithm):
+            continue
+        return key if isinstance(key, PUBLIC_KEYS) else None
+    return None
+
+
+def signature_bytes(key) -> int:
+    """The length of a JWS signature by `key` (HS256's 32 when None)."""
+    if isinstance(key, rsa.RSAPublicKey):
+        return (key.key_size + 7) // 8
+    if isinstance(key, ec.EllipticCurvePublicKey):
+        return 2 * ((key.curve.key_size + 7) // 8)  # r and s, raw (RFC 7518 3.4)
+    if isinstance(key, ed448.Ed448PublicKey):
+        return 114
+    return 64 if isinstance(key, ed25519.Ed25519PublicKey) else 32
+
+
 class Authenticator:
     def __init__(self, settings: Settings):
         self.enabled = settings.auth == "jwt"
+        self.public_key = None
         if settings.jwt_public_key:
-            self.key = settings.jwt_public_key
+            self.public_key = load_public_key(settings.jwt_public_key)
+            self.key = self.public_key or settings.jwt_public_key
             self.algorithms = ["RS256", "EdDSA", "ES256"]
         else:
             self.key = settings.jwt_secret
@@ -74,6 +108,8 @@ class Authenticator:
         self.leeway = settings.jwt_leeway_seconds
         self.max_token_bytes = settings.jwt_max_bytes
         self.hs256_key = self.key.encode() if self.algorithms == ["HS256"] and self.key else None
+        # base64url characters of the key's signature, with padding
+        self.signature_chars = 4 * -(-signature_bytes(self.public_key) // 3)
         self.accepted: dict[str, tuple[Principal, float]] = {}  # token -> (principal, exp), oldest first
         self.operator_tenant = settings.operator_tenant
         self.slots = RequestSlots(settings.tenant_max_requests, settings.max_connections)
@@ -120,7 +156,7 @@ class Authenticator:
             if known[1] > time.time() - self.leeway:
                 return known[0]
             del self.accepted[token]
-        if self.hs256_key is not None and not self._signed(token):
+        if (self.hs256_key is not None or self.public_key is not None) and not self._signed(token):
             raise ApiError(401, "unauthorized", "invalid token: Signature verification failed")
         try:
             claims = jwt.decode(token, self.key, algorithms=self.algorithms,
@@ -149,17 +185,31 @@ class Authenticator:
         return principal
 
     def _signed(self, token: str) -> bool:
-        """Whether the token's last segment is the HS256 MAC of the rest under the secret:
-        a filter in front of PyJWT only (a token that passes is checked again, in full)."""
+        """Whether the token's last segment signs the rest: the HS256 MAC under the secret,
+        or the public key's signature by the one algorithm of the list its type verifies
+        (RS256, ES256 or EdDSA: PyJWT refuses the others for that key). A filter in front of
+        PyJWT only: a token that passes is checked again, in full."""
         signing_input, _, signature = token.rpartition(".")
-        if len(signature) > 44:  # 32 bytes: 43 characters, 44 with a padding '='
+        if len(signature) > self.signature_chars:
             return False
         try:
-            mac = base64.urlsafe_b64decode(signature + "=" * (-len(signature) % 4))
+            sig = base64.urlsafe_b64decode(signature + "=" * (-len(signature) % 4))
             data = signing_input.encode("ascii")
         except (binascii.Error, ValueError):  # UnicodeEncodeError is a ValueError
             return False
-        return hmac.compare_digest(hmac.digest(self.hs256_key, data, "sha256"), mac)
+        if self.hs256_key is not None:
+            return hmac.compare_digest(hmac.digest(self.hs256_key, data, "sha256"), sig)
+        key = self.public_key
+        try:
+            if isinstance(key, rsa.RSAPublicKey):
+                key.verify(sig, data, padding.PKCS1v15(), hashes.SHA256())
+            elif isinstance(key, ec.EllipticCurvePublicKey):
+                key.verify(raw_to_der_signature(sig, key.curve), data, ec.ECDSA(hashes.SHA256()))
+            else:
+                key.verify(sig, data)
+        except (InvalidSignature, ValueError):
+            return False
+        return True
 
     def require(self, request: Request, level: str) -> Principal:
         return self.require_scope(request.scope, level)

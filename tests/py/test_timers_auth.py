@@ -325,3 +325,47 @@ def test_the_limit_is_configurable_within_the_request_heads():
     for bad in ("16385", "63", "big"):
         with pytest.raises(ConfigError, match="QUEEN_JWT_MAX_BYTES"):
             Settings.from_env({**base, "QUEEN_JWT_MAX_BYTES": bad})
+
+
+@pytest.mark.parametrize("kind, alg", [("rsa", "RS256"), ("ec", "ES256"), ("ed25519", "EdDSA")])
+def test_a_token_the_public_key_did_not_sign_never_reaches_pyjwt(monkeypatch, kind, alg):
+    """QUEEN_JWT_PUBLIC_KEY: the signature checked first, by the one algorithm the key's type
+    allows; another key's token, HS256 with the PEM as its secret, and a signature of the
+    wrong length never reach jwt.decode; the key's own token does, once."""
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ec, ed25519, rsa
+
+    from queen_timers import auth
+    from queen_timers.config import Settings
+
+    def private():
+        return {"rsa": lambda: rsa.generate_private_key(public_exponent=65537, key_size=2048),
+                "ec": lambda: ec.generate_private_key(ec.SECP256R1()),
+                "ed25519": ed25519.Ed25519PrivateKey.generate}[kind]()
+    key, other = private(), private()
+    pem = key.public_key().public_bytes(serialization.Encoding.PEM,
+                                        serialization.PublicFormat.SubjectPublicKeyInfo).decode()
+    a = auth.Authenticator(Settings(database_url="postgresql://127.0.0.1:1/none", auth="jwt", jwt_public_key=pem))
+    assert a.public_key is not None
+    decoded = []
+    real = auth.jwt.decode
+    monkeypatch.setattr(auth.jwt, "decode", lambda *args, **kw: decoded.append(1) or real(*args, **kw))
+
+    def check(token):
+        return a.identify({"type": "http", "headers": [(b"authorization", f"Bearer {token}".encode())]})
+
+    claims = {"sub": "billing-service", "tenant": "globex", "role": "read-only", "exp": int(time.time()) + 600}
+    signing_input = ".".join(base64.urlsafe_b64encode(json.dumps(part).encode()).rstrip(b"=").decode()
+                             for part in ({"alg": "HS256", "typ": "JWT"}, claims))
+    confused = signing_input + "." + base64.urlsafe_b64encode(
+        hmac.digest(pem.encode(), signing_input.encode(), "sha256")).rstrip(b"=").decode()
+    good = jwt.encode(claims, key, algorithm=alg)
+    forged = jwt.encode({**claims, "pad": "p" * 5000}, other, algorithm=alg)
+    for bad in (forged, confused, good.rpartition(".")[0] + "." + "A" * 2000, good[:-4]):
+        found = check(bad)
+        assert isinstance(found, auth.ApiError) and found.status == 401, found
+        assert "Signature verification failed" in found.detail, found.detail
+    assert decoded == []
+    for _ in range(3):
+        assert check(good) == auth.Principal(tenant="globex", sub="billing-service", role="read-only")
+    assert decoded == [1]
