@@ -86,7 +86,11 @@ class PeerCancels:
                                      stdout=subprocess.PIPE, stderr=self.stderr, text=True, bufsize=1)
         self.lines: queue.Queue = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
-        self.seeded = self._next()["seeded"]
+        try:
+            self.seeded = self._next()["seeded"]
+        except BaseException:  # no seeding within the timeout, or the process ended: never left running
+            self.close()
+            raise
 
     def _read(self) -> None:
         for line in self.proc.stdout:
