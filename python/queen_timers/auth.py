@@ -97,7 +97,8 @@ def signature_bytes(key) -> int:
 class Authenticator:
     def __init__(self, settings: Settings):
         self.enabled = settings.auth == "jwt"
-        self.public_key = None
+        # the signature checked before PyJWT (_signed): by one of these, when either is set
+        self.public_key = self.hs256_key = None
         if settings.jwt_public_key:
             self.public_key = load_public_key(settings.jwt_public_key)
             self.key = self.public_key or settings.jwt_public_key
@@ -105,9 +106,9 @@ class Authenticator:
         else:
             self.key = settings.jwt_secret
             self.algorithms = ["HS256"]
+            self.hs256_key = self.key.encode() if self.key else None
         self.leeway = settings.jwt_leeway_seconds
         self.max_token_bytes = settings.jwt_max_bytes
-        self.hs256_key = self.key.encode() if self.algorithms == ["HS256"] and self.key else None
         # base64url characters of the key's signature, with padding
         self.signature_chars = 4 * -(-signature_bytes(self.public_key) // 3)
         self.accepted: dict[str, tuple[Principal, float]] = {}  # token -> (principal, exp), oldest first

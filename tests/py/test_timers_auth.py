@@ -248,21 +248,43 @@ def test_a_token_not_of_three_segments_is_401(jwt_client, db, value):
     assert_refused_401(jwt_client, db, {"Authorization": f"Bearer {value}"}, "three segments")
 
 
-def test_a_token_the_secret_did_not_sign_never_reaches_pyjwt(monkeypatch):
-    """The HS256 filter: PyJWT checks every character of a token in Python (0.5 ms for
-    13 KB), so a token whose MAC is wrong is refused before it; a good one is then checked
-    by PyJWT in full, once: the next request with it is served from the accepted tokens."""
+def pem_of(private_key) -> str:
+    """The public half of `private_key`, as QUEEN_JWT_PUBLIC_KEY takes it."""
+    from cryptography.hazmat.primitives import serialization
+    return private_key.public_key().public_bytes(serialization.Encoding.PEM,
+                                                 serialization.PublicFormat.SubjectPublicKeyInfo).decode()
+
+
+def hs256_under(secret: str, claims: dict) -> str:
+    """An HS256 token with `secret` as its key, built by hand: PyJWT refuses to sign with a
+    PEM (the algorithm confusion: HS256 with a public key's PEM as the secret)."""
+    signing_input = ".".join(base64.urlsafe_b64encode(json.dumps(part).encode()).rstrip(b"=").decode()
+                             for part in ({"alg": "HS256", "typ": "JWT"}, claims))
+    return signing_input + "." + base64.urlsafe_b64encode(
+        hmac.digest(secret.encode(), signing_input.encode(), "sha256")).rstrip(b"=").decode()
+
+
+def counting_authenticator(monkeypatch, **settings):
+    """An Authenticator of QUEEN_AUTH=jwt with `settings`, `check(token)` giving what it
+    finds for a Bearer token, and the list jwt.decode appends to at each call."""
     from queen_timers import auth
     from queen_timers.config import Settings
-    a = auth.Authenticator(Settings(database_url="postgresql://127.0.0.1:1/none", auth="jwt",
-                                    jwt_secret=JWT_SECRET))
+    a = auth.Authenticator(Settings(database_url="postgresql://127.0.0.1:1/none", auth="jwt", **settings))
     decoded = []
     real = auth.jwt.decode
     monkeypatch.setattr(auth.jwt, "decode", lambda *args, **kw: decoded.append(1) or real(*args, **kw))
 
     def check(token):
         return a.identify({"type": "http", "headers": [(b"authorization", f"Bearer {token}".encode())]})
+    return a, check, decoded
 
+
+def test_a_token_the_secret_did_not_sign_never_reaches_pyjwt(monkeypatch):
+    """The HS256 filter: PyJWT checks every character of a token in Python (0.5 ms for
+    13 KB), so a token whose MAC is wrong is refused before it; a good one is then checked
+    by PyJWT in full, once: the next request with it is served from the accepted tokens."""
+    from queen_timers import auth
+    _, check, decoded = counting_authenticator(monkeypatch, jwt_secret=JWT_SECRET)
     forged = raw_token(secret="another-secret-of-at-least-32-bytes-long!", pad="p" * 5500)
     for bad in (forged, forged[:-2] + "==", forged.rpartition(".")[0] + "." + "A" * 80,
                 forged.rpartition(".")[0] + ".\u00e9\u00e9"):
@@ -294,17 +316,11 @@ def test_an_accepted_token_is_refused_once_it_expires(broker_factory, db):
 def test_a_public_key_verifies_its_tokens_and_no_other(broker_factory, db):
     """QUEEN_JWT_PUBLIC_KEY: an Ed25519 key accepts EdDSA tokens signed by its private
     half; a token of another key, or HS256 under any secret, is a 401."""
-    from cryptography.hazmat.primitives import serialization
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
     key, other = Ed25519PrivateKey.generate(), Ed25519PrivateKey.generate()
-    pem = key.public_key().public_bytes(serialization.Encoding.PEM,
-                                        serialization.PublicFormat.SubjectPublicKeyInfo).decode()
+    pem = pem_of(key)
     claims = {"sub": "billing-service", "tenant": "acme", "role": "admin", "exp": int(time.time()) + 600}
-    # the algorithm confusion: HS256 with the public key's PEM as its secret
-    signing_input = ".".join(base64.urlsafe_b64encode(json.dumps(part).encode()).rstrip(b"=").decode()
-                             for part in ({"alg": "HS256", "typ": "JWT"}, claims))
-    confused = signing_input + "." + base64.urlsafe_b64encode(
-        hmac.digest(pem.encode(), signing_input.encode(), "sha256")).rstrip(b"=").decode()
+    confused = hs256_under(pem, claims)  # the algorithm confusion
     b = broker_factory(QUEEN_AUTH="jwt", QUEEN_JWT_PUBLIC_KEY=pem)
     with b.client() as c:
         for bad in (jwt.encode(claims, other, algorithm="EdDSA"), jwt.encode(claims, JWT_SECRET, algorithm="HS256"),
@@ -332,33 +348,20 @@ def test_a_token_the_public_key_did_not_sign_never_reaches_pyjwt(monkeypatch, ki
     """QUEEN_JWT_PUBLIC_KEY: the signature checked first, by the one algorithm the key's type
     allows; another key's token, HS256 with the PEM as its secret, and a signature of the
     wrong length never reach jwt.decode; the key's own token does, once."""
-    from cryptography.hazmat.primitives import serialization
     from cryptography.hazmat.primitives.asymmetric import ec, ed25519, rsa
 
     from queen_timers import auth
-    from queen_timers.config import Settings
 
     def private():
         return {"rsa": lambda: rsa.generate_private_key(public_exponent=65537, key_size=2048),
                 "ec": lambda: ec.generate_private_key(ec.SECP256R1()),
                 "ed25519": ed25519.Ed25519PrivateKey.generate}[kind]()
     key, other = private(), private()
-    pem = key.public_key().public_bytes(serialization.Encoding.PEM,
-                                        serialization.PublicFormat.SubjectPublicKeyInfo).decode()
-    a = auth.Authenticator(Settings(database_url="postgresql://127.0.0.1:1/none", auth="jwt", jwt_public_key=pem))
+    pem = pem_of(key)
+    a, check, decoded = counting_authenticator(monkeypatch, jwt_public_key=pem)
     assert a.public_key is not None
-    decoded = []
-    real = auth.jwt.decode
-    monkeypatch.setattr(auth.jwt, "decode", lambda *args, **kw: decoded.append(1) or real(*args, **kw))
-
-    def check(token):
-        return a.identify({"type": "http", "headers": [(b"authorization", f"Bearer {token}".encode())]})
-
     claims = {"sub": "billing-service", "tenant": "globex", "role": "read-only", "exp": int(time.time()) + 600}
-    signing_input = ".".join(base64.urlsafe_b64encode(json.dumps(part).encode()).rstrip(b"=").decode()
-                             for part in ({"alg": "HS256", "typ": "JWT"}, claims))
-    confused = signing_input + "." + base64.urlsafe_b64encode(
-        hmac.digest(pem.encode(), signing_input.encode(), "sha256")).rstrip(b"=").decode()
+    confused = hs256_under(pem, claims)
     good = jwt.encode(claims, key, algorithm=alg)
     forged = jwt.encode({**claims, "pad": "p" * 5000}, other, algorithm=alg)
     for bad in (forged, confused, good.rpartition(".")[0] + "." + "A" * 2000, good[:-4]):
