@@ -231,8 +231,10 @@ class BlockingHttp:
         self.host = host.encode()
         self.buf = b""
 
-    def request(self, method: str, path: str) -> tuple[int, bytes]:
-        self.sock.sendall(b"%s %s HTTP/1.1\r\nHost: %s\r\n\r\n" % (method.encode(), path.encode(), self.host))
+    def request(self, method: str, path: str, headers: bytes = b"") -> tuple[int, bytes]:
+        """`headers`: more header lines, each ending with CRLF."""
+        self.sock.sendall(b"%s %s HTTP/1.1\r\nHost: %s\r\n%s\r\n"
+                          % (method.encode(), path.encode(), self.host, headers))
         while (end := self.buf.find(b"\r\n\r\n")) < 0:
             self._recv()
         head, body = self.buf[:end], self.buf[end + 4:]

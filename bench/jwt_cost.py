@@ -18,7 +18,6 @@ rounds, the order rotating."""
 from __future__ import annotations
 
 import argparse
-import socket
 import statistics
 import sys
 import time
@@ -28,6 +27,7 @@ import jwt
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ed25519, rsa
 
+from cancel import BlockingHttp
 from harness import ROOT, Cluster, log, pct, proc_cpu, rotated, start_broker
 
 SECRET = "bench-secret-for-queen-timers-hs256-0123456789"
@@ -57,23 +57,6 @@ def cases(kind: str) -> tuple[dict, dict[str, tuple[str, bool]]]:
                  f"{bad} 13 KB": (token(other, alg, 9700), False)}
 
 
-def request(s: socket.socket, tok: str) -> int:
-    s.sendall(b"DELETE /api/v1/timers/q/k HTTP/1.1\r\nHost: bench\r\nAuthorization: Bearer %s\r\n\r\n"
-              % tok.encode())
-    buf = b""
-    while b"\r\n\r\n" not in buf:
-        chunk = s.recv(65536)
-        if not chunk:
-            raise ConnectionError("the broker closed the connection")
-        buf += chunk
-    head, body = buf.split(b"\r\n\r\n", 1)
-    length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
-                  if line.lower().startswith(b"content-length:"))
-    while len(body) < length:
-        body += s.recv(65536)
-    return int(head[9:12])
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=4)
@@ -87,7 +70,7 @@ def main() -> int:
     cluster = Cluster()
     cluster.setup()
     brokers = {}
-    socks = {}
+    socks: dict[str, BlockingHttp] = {}
     try:
         url = cluster.create_db("bench")
         trees = {"this": ROOT, **({"compare": args.compare.resolve()} if args.compare else {})}
@@ -104,13 +87,13 @@ def main() -> int:
                 # a keep-alive connection idle for 5 s, as long as the other blocks may take
                 if side in socks:
                     socks.pop(side).close()
-                socks[side] = socket.create_connection(("127.0.0.1", brokers[side].port))
-                socks[side].setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                request(socks[side], tok)
+                socks[side] = BlockingHttp("127.0.0.1", brokers[side].port)
+                auth = b"Authorization: Bearer %s\r\n" % tok.encode()
+                socks[side].request("DELETE", "/api/v1/timers/q/k", auth)
                 before = proc_cpu(pid)
                 for _ in range(args.n):
                     t0 = time.perf_counter()
-                    code = request(socks[side], tok)
+                    code, _ = socks[side].request("DELETE", "/api/v1/timers/q/k", auth)
                     lat.append(time.perf_counter() - t0)
                     codes[code] = codes.get(code, 0) + 1
                 us = (proc_cpu(pid) - before) / args.n * 1e6
