@@ -137,6 +137,31 @@ def sql_run(client, admin, method: str, n: int) -> dict:
     return out
 
 
+def interleave(names: list[str], n: int, block: int, run, rotate: bool = False):
+    """The block loop of every interleaved one-client comparison (sql_pair,
+    delete_blocks, peers.cancel_interleaved): n calls a side in blocks of `block`,
+    the order of the sides alternating (forward, then backward) or, with `rotate`,
+    rotating by one from block to block. `run(name, start, count)` makes one side's
+    calls start .. start + count - 1 (0-based) and returns (latencies in seconds,
+    the block's seconds), or None when that side has left. Returns each side's
+    latencies, each block's p50 in ms, and the seconds its own blocks took."""
+    lat: dict[str, list[float]] = {name: [] for name in names}
+    blocks: dict[str, list[float]] = {name: [] for name in names}
+    busy = dict.fromkeys(names, 0.0)
+    for bi, start in enumerate(range(0, n, block)):
+        k = bi % len(names)
+        order = names[k:] + names[:k] if rotate else (names if bi % 2 == 0 else names[::-1])
+        for name in order:
+            got = run(name, start, min(block, n - start))
+            if got is None:
+                continue
+            mine, secs = got
+            lat[name] += mine
+            busy[name] += secs
+            blocks[name].append(pct(mine, 50) * 1000)
+    return lat, blocks, busy
+
+
 # The two sides of the SQL comparison, interleaved in blocks on one connection.
 # This machine's disk stalls in bursts: a run of 1,500 consecutive commits that
 # wait 0.5-1.5 ms each instead of 0.1 (seen in a probe, 09:20 on Dec 6). In
@@ -157,15 +182,16 @@ def sql_pair(client, admin, n: int, block: int = BLOCK) -> dict[str, dict]:
     seed(admin, n, prefixes=tuple(PREFIX[m] for m in PAIR))
     before = counter(admin)
     admin.execute("SELECT pg_stat_statements_reset()")
-    lat: dict[str, list[float]] = {m: [] for m in PAIR}
-    busy = dict.fromkeys(PAIR, 0.0)
     hits = dict.fromkeys(PAIR, 0)
-    for b, start in enumerate(range(1, n + 1, block)):
-        for method in (PAIR if b % 2 == 0 else PAIR[::-1]):
-            t0 = time.perf_counter()
-            keys = (_key(i, PREFIX[method]) for i in range(start, min(start + block, n + 1)))
-            hits[method] += _cancels(client, method, keys, lat[method])
-            busy[method] += time.perf_counter() - t0
+
+    def run(method, start, count):
+        mine: list[float] = []
+        t0 = time.perf_counter()
+        keys = (_key(i, PREFIX[method]) for i in range(start + 1, start + count + 1))
+        hits[method] += _cancels(client, method, keys, mine)
+        return mine, time.perf_counter() - t0
+
+    lat, _, busy = interleave(list(PAIR), n, block, run)
     drop = before - counter(admin)
     out = {}
     for method in PAIR:
@@ -359,31 +385,28 @@ def delete_blocks(sides: dict[str, Broker | None], client, unflushed, admin, n: 
     seed(admin, n, prefixes=tuple(prefix.values()))
     before = counter(admin)
     socks = {name: BlockingHttp("127.0.0.1", b.port) for name, b in sides.items() if isinstance(b, Broker)}
-    lat: dict[str, list[float]] = {name: [] for name in names}
-    blocks: dict[str, list[float]] = {name: [] for name in names}
-    busy = dict.fromkeys(names, 0.0)
     outcomes: dict[str, dict] = {name: {} for name in names}
+
+    def run(name, start, count):
+        target = sides[name]
+        for b in brokers:
+            b.proc.send_signal(signal.SIGCONT if b is target else signal.SIGSTOP)
+        keys = [_key(i, prefix[name]) for i in range(start + 1, start + count + 1)]
+        mine: list[float] = []
+        t0 = time.perf_counter()
+        if isinstance(target, Broker):
+            _deletes(socks[name], keys, mine, outcomes[name])
+        else:
+            hits = _cancels(unflushed if name == UNFLUSHED else client, "cancel_timer", keys, mine)
+            outcomes[name]["cancelled"] = outcomes[name].get("cancelled", 0) + hits
+        return mine, time.perf_counter() - t0
+
     try:
         for name, c in socks.items():  # every socket open and served once before the clock starts
             for b in brokers:
                 b.proc.send_signal(signal.SIGCONT if b is sides[name] else signal.SIGSTOP)
             c.request("GET", "/health")
-        for bi, start in enumerate(range(1, n + 1, block)):
-            for name in (names if bi % 2 == 0 else names[::-1]):
-                target = sides[name]
-                for b in brokers:
-                    b.proc.send_signal(signal.SIGCONT if b is target else signal.SIGSTOP)
-                keys = [_key(i, prefix[name]) for i in range(start, min(start + block, n + 1))]
-                mine: list[float] = []
-                t0 = time.perf_counter()
-                if isinstance(target, Broker):
-                    _deletes(socks[name], keys, mine, outcomes[name])
-                else:
-                    hits = _cancels(unflushed if name == UNFLUSHED else client, "cancel_timer", keys, mine)
-                    outcomes[name]["cancelled"] = outcomes[name].get("cancelled", 0) + hits
-                busy[name] += time.perf_counter() - t0
-                lat[name] += mine
-                blocks[name].append(pct(mine, 50) * 1000)
+        lat, blocks, busy = interleave(names, n, block, run)
     finally:
         for b in brokers:
             b.proc.send_signal(signal.SIGCONT if b is main else signal.SIGSTOP)

@@ -179,39 +179,33 @@ def cancel_interleaved(admin, client, broker, peer_urls: dict[str, str], n: int,
         sock.request("GET", "/health")  # open and served once before the clock starts
         admin.execute("SELECT pg_stat_statements_reset()")
         names = [f"queen {side}" for side in QUEEN_CANCEL_SIDES] + list(peer_urls)
-        lat: dict[str, list[float]] = {name: [] for name in names}  # seconds
-        blocks: dict[str, list[float]] = {name: [] for name in names}  # each block's p50, ms
-        busy = dict.fromkeys(names, 0.0)
         hits = dict.fromkeys(names, 0)
         outcomes: dict = {}
-        for bi, start in enumerate(range(0, n, block)):
-            count = min(block, n - start)
-            for name in names[bi % len(names):] + names[:bi % len(names)]:
-                if name in failed:
-                    continue
-                if name in peers:
-                    try:
-                        got = peers[name].block(start, count)
-                    except Exception as exc:
-                        failed[name] = {"error": str(exc)}
-                        peers.pop(name).close()
-                        continue
-                    mine, secs = [x / 1000 for x in got["lat"]], got["secs"]
-                    hits[name] += got["hits"]
-                else:
-                    side = name.split()[1]
-                    keys = [cancel._key(i, QUEEN_CANCEL_SIDES[side]) for i in range(start + 1, start + count + 1)]
-                    mine = []
-                    t0 = time.perf_counter()
-                    if side == "http":
-                        cancel._deletes(sock, keys, mine, outcomes)
-                    else:
-                        hits[name] += cancel._cancels(client, "cancel_timer" if side == "cancel_timer"
-                                                      else "bare_delete", keys, mine)
-                    secs = time.perf_counter() - t0
-                lat[name] += mine
-                busy[name] += secs
-                blocks[name].append(round(pct(mine, 50) * 1000, 3))
+
+        def run(name, start, count):
+            if name in failed:
+                return None
+            if name in peers:
+                try:
+                    got = peers[name].block(start, count)
+                except Exception as exc:
+                    failed[name] = {"error": str(exc)}
+                    peers.pop(name).close()
+                    return None
+                hits[name] += got["hits"]
+                return [x / 1000 for x in got["lat"]], got["secs"]
+            side = name.split()[1]
+            keys = [cancel._key(i, QUEEN_CANCEL_SIDES[side]) for i in range(start + 1, start + count + 1)]
+            mine: list[float] = []
+            t0 = time.perf_counter()
+            if side == "http":
+                cancel._deletes(sock, keys, mine, outcomes)
+            else:
+                hits[name] += cancel._cancels(client, "cancel_timer" if side == "cancel_timer"
+                                              else "bare_delete", keys, mine)
+            return mine, time.perf_counter() - t0
+
+        lat, blocks, busy = cancel.interleave(names, n, block, run, rotate=True)
         finals = {}
         for p, session in peers.items():
             try:
@@ -231,7 +225,7 @@ def cancel_interleaved(admin, client, broker, peer_urls: dict[str, str], n: int,
             out[name] = failed[name]
             continue
         o = cancel._summary(lat[name], busy[name])
-        o.update(hits=hits[name], block_p50s=blocks[name])
+        o.update(hits=hits[name], block_p50s=[round(x, 3) for x in blocks[name]])
         if name in peers:
             o.update(left=finals[name]["left"], seeded=peers[name].seeded)
         else:
