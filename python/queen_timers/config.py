@@ -208,6 +208,8 @@ class Settings:
                               f"largest legal request: QUEEN_MAX_BODY_BYTES x{TIMERS_WEIGHT}, "
                               f"QUEEN_LOG_MAX_BODY_BYTES x{LOG_WEIGHT}, QUEEN_POP_MAX_BYTES x{POP_WEIGHT} + 10,000 messages), "
                               f"got {settings.body_budget_bytes}")
+        if settings.port > 65535:
+            raise ConfigError(f"QUEEN_PORT must be <= 65535, got {settings.port}")
         if settings.retention_batch > 100000:
             raise ConfigError(f"QUEEN_RETENTION_BATCH must be <= 100000, got {settings.retention_batch}")
         if settings.sweeper_max_sleep_ms > MAX_SLEEP_CAP_MS:

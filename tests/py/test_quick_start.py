@@ -25,6 +25,7 @@ import psycopg
 import pytest
 
 from conftest import ROOT, free_port
+from queen_timers.config import ConfigError, Settings
 
 README = ROOT / "README.md"
 
@@ -160,3 +161,24 @@ def test_make_run_then_the_readmes_try_it_block(fresh_checkout):
             assert n.fetchone()[0] == 1
     finally:
         again.stop()
+
+
+def test_the_readmes_default_ports_are_the_codes(fresh_checkout):
+    """The quick start promises a broker on :6632 over a cluster on QUEEN_PG_PORT 6640. The
+    test above runs on free ports; this one asks the code itself, with no QUEEN_* set: the
+    broker's settings, and `make psql`, which looks for this checkout's cluster on its
+    default port before anything else (there is none yet, or the port is another's)."""
+    assert Settings.from_env({"QUEEN_DATABASE_URL": "postgresql://x/y"}).port == 6632
+    env = {k: v for k, v in os.environ.items() if not k.startswith("QUEEN_")}
+    done = subprocess.run(["make", "-s", "psql"], cwd=fresh_checkout, env=env, capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode != 0
+    assert re.search(r"\b(127\.0\.0\.1:6640|port 6640)\b", done.stderr), done.stderr
+    assert not (fresh_checkout / ".queen" / "pg" / "data").exists()  # looked, created nothing
+
+
+def test_a_port_out_of_range_stops_the_broker_at_start():
+    for bad in ("0", "65536", "http"):
+        with pytest.raises(ConfigError, match="QUEEN_PORT"):
+            Settings.from_env({"QUEEN_DATABASE_URL": "postgresql://x/y", "QUEEN_PORT": bad})
+    assert Settings.from_env({"QUEEN_DATABASE_URL": "postgresql://x/y", "QUEEN_PORT": "65535"}).port == 65535
