@@ -268,7 +268,19 @@ async def _receive(pg: pq.abc.PGconn, wire: _Wire, statement: Statement, prepari
         _check(await _result(wire.loop, pg))
         wire.prepared.add(statement.name)
         pg.send_query_prepared(statement.name, values, param_formats=statement.formats)
-    res = _check(await _result(wire.loop, pg))
+    res = await _result(wire.loop, pg)
+    if not preparing and _statement_gone(res, pg):
+        # The session's prepared statements were dropped under us: psycopg sends
+        # DEALLOCATE ALL after a ROLLBACK on a connection where it prepared statements
+        # of its own (a refused staged batch's transaction, a pool's reset), and DISCARD
+        # ALL does the same. The Bind failed, so nothing ran: prepare again, run it once.
+        wire.prepared.clear()
+        pg.send_prepare(statement.name, statement.text)
+        _check(await _result(wire.loop, pg))
+        wire.prepared.add(statement.name)
+        pg.send_query_prepared(statement.name, values, param_formats=statement.formats)
+        res = await _result(wire.loop, pg)
+    res = _check(res)
     if res.ntuples == 0:
         return None
     return tuple(None if (v := res.get_value(0, i)) is None else v.decode() for i in range(res.nfields))
@@ -323,6 +335,14 @@ class Call:
             self.open = False
             self.conn.pgconn.finish()  # a statement may be in flight: no one may reuse the connection
             asyncio.get_running_loop().create_task(self.lease._end(None))
+
+
+def _statement_gone(res: pq.abc.PGresult, pg: pq.abc.PGconn) -> bool:
+    """A prepared statement's execution refused because no such statement exists
+    (26000), on a connection outside any transaction (an aborted one could not run it
+    again)."""
+    return (res.status == ExecStatus.FATAL_ERROR and res.error_field(pq.DiagnosticField.SQLSTATE) == b"26000"
+            and pg.transaction_status == TransactionStatus.IDLE)
 
 
 def _check(res: pq.abc.PGresult) -> pq.abc.PGresult:

@@ -102,6 +102,34 @@ def test_a_staged_batch_answers_as_an_inline_one_and_is_all_or_nothing(spawn_bro
     wait_budget_free(staged)
 
 
+def test_a_refused_staged_batch_leaves_every_tenants_routes_working(spawn_broker, db):
+    """A staged batch runs in a transaction; its refusal is a ROLLBACK, after which psycopg
+    sends DEALLOCATE ALL on a connection where it prepared statements of its own (here the
+    peeks', run six times). That dropped the statements the hot routes prepare through libpq,
+    and every POST and DELETE on that connection answered 500 (found Dec 7). One pool
+    connection, so that each request meets it."""
+    from timers_util import JWT_SECRET
+    b = spawn_broker(QUEEN_TIMERS_STAGE_BYTES="0", QUEEN_POOL_MAX="1", QUEEN_POOL_MIN="1",
+                     QUEEN_AUTH="jwt", QUEEN_JWT_SECRET=JWT_SECRET)
+    acme, globex = token("read-write", tenant="acme"), token("read-write", tenant="globex")
+    with b.client() as c:
+        for tenant in (acme, globex):  # each hot route prepared once on the connection
+            assert post(c, op("schedule", "before"), headers=tenant).status_code == 200
+            assert c.delete("/api/v1/timers/reminders/before", headers=tenant).json()["status"] == "cancelled"
+        for _ in range(6):
+            assert c.get("/api/v1/timers/reminders/nothing", headers=acme).json()["found"] is False
+        r = post(c, op("schedule", "near"), op("schedule", "far", delayMs=100 * 86400 * 1000), headers=acme)
+        assert_json_error(r, 403, "timer_horizon_exceeded")
+        for name, tenant in (("acme", acme), ("globex", globex)):
+            r = post(c, op("schedule", f"{name}-after"), headers=tenant)
+            assert r.status_code == 200 and r.json()["results"][0]["status"] == "scheduled", r.text
+            r = c.delete(f"/api/v1/timers/reminders/{name}-after", headers=tenant)
+            assert r.status_code == 200 and r.json()["status"] == "cancelled", r.text
+    assert db.execute("SELECT count(*) AS n FROM queen.timers").fetchone()["n"] == 0
+    assert db.execute("SELECT count(*) AS n FROM queen.staged_payloads").fetchone()["n"] == 0
+    assert "Traceback" not in b.log()
+
+
 # ---------------------------------------------------------------------------
 # 2. the parse stops at the excess, while the body is still arriving
 # ---------------------------------------------------------------------------

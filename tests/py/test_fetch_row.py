@@ -84,6 +84,45 @@ def test_by_default_prepared_as_the_connections_prepare_threshold_says(database_
     assert kwargs["prepare_threshold"] is None
 
 
+def test_a_statement_dropped_under_it_is_prepared_again(database_url):
+    """psycopg sends DEALLOCATE ALL after a ROLLBACK on a connection where it has prepared
+    statements of its own (prepare_threshold: the fifth run of a query), which drops
+    fetch_row's too. The next fetch_row prepares its statement again and answers."""
+    s = db.Statement("SELECT %(x)s::int * 3")
+    count = "SELECT count(*) FROM pg_prepared_statements WHERE name = %s"
+
+    async def body(conn):
+        assert await db.fetch_row(conn, s, {"x": 1}) == ("3",)
+        for _ in range(6):  # psycopg prepares this one of its own
+            await conn.execute("SELECT %s::int", (1,))
+        with pytest.raises(ZeroDivisionError):
+            async with conn.transaction():
+                await conn.execute("SELECT 1")
+                1 / 0
+        dropped = (await (await conn.execute(count, (s.name.decode(),))).fetchone())[0]
+        again = [await db.fetch_row(conn, s, {"x": x}) for x in (2, 3)]
+        kept = (await (await conn.execute(count, (s.name.decode(),))).fetchone())[0]
+        return dropped, again, kept
+
+    assert run(database_url, body) == (0, [("6",), ("9",)], 1)
+
+
+def test_a_statement_gone_inside_a_transaction_is_an_error_not_run_twice(database_url):
+    """Within a transaction the failed execution has aborted it: fetch_row raises
+    (psycopg's InvalidSqlStatementName) instead of running the statement again."""
+    s = db.Statement("SELECT %(x)s::int * 5")
+
+    async def body(conn):
+        assert await db.fetch_row(conn, s, {"x": 1}) == ("5",)
+        await conn.execute("DEALLOCATE ALL")
+        async with conn.transaction(force_rollback=True):
+            with pytest.raises(psycopg.errors.InvalidSqlStatementName):
+                await db.fetch_row(conn, s, {"x": 2})
+            return conn.pgconn.transaction_status
+
+    assert run(database_url, body) == psycopg.pq.TransactionStatus.INERROR
+
+
 def test_a_database_error_is_psycopgs_and_leaves_the_connection_usable(database_url):
     s = db.Statement("SELECT 1 / %(x)s::int")
     raise_it = db.Statement("SELECT queen.cancel_timer(%(tenant)s, %(queue)s, %(key)s)")
