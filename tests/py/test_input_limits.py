@@ -613,9 +613,10 @@ def test_log_routes_refuse_names_over_their_limits(client, db, method, path, bod
     assert r.status_code == 201 and r.json()[0]["status"] == "queued", r.text
 
 
-# JSON sets no limit on a number; past a 64-bit float's range (orjson reads a longer integer as a
-# float) there is no value to hold: a 400 that says so, not "not valid JSON"
-BIG = "1" + "0" * 400
+# JSON sets no limit on a number; past a 64-bit float's range, or an integer past 4,300 digits
+# (Python's bound on writing one as text), there is no value to hold: a 400 that says so, not
+# "not valid JSON"
+BIG = "1" + "0" * 4300
 NUMBER_RANGE = [
     ("timer delayMs", "/api/v1/timers",
      '{"operations":[{"op":"schedule","queue":"q","timerKey":"k","delayMs":%s,"txn":"t","payload":"eA=="}]}' % BIG),
@@ -633,11 +634,50 @@ NUMBER_RANGE = [
 def test_a_number_beyond_a_float_is_a_400_that_names_it(client, db, name, path, text):
     r = client.post(path, content=text.encode(), headers={"content-type": "application/json"})
     answer = assert_json_error(r, 400, "timers_bad_request")
-    assert answer["detail"] == "the body holds a number beyond the range of a 64-bit float (about 1.8e308)", answer
+    assert answer["detail"] == ("the body holds a number beyond the broker's range: a 64-bit float's "
+                                "(about 1.8e308), or an integer of more than 4,300 digits"), answer
     assert written(db) == NOTHING
     # a large number within range is still a value (the payload keeps it as a float)
     r = client.post("/api/v1/push", json={"items": [{"queue": "q", "payload": {"n": 1e300}}]})
     assert r.status_code == 201, r.text
+
+
+# An integer past 64 bits is a value like any other: a pushed payload keeps its digits (orjson
+# read it as a float, and 12345678901234567890123 was stored as 1.2345678901234568e+22), and
+# a field that takes a 64-bit integer says it is out of range.
+EXACT = ["12345678901234567890123", "18446744073709551617", "-9223372036854775809", "9" * 4300]
+
+
+@pytest.mark.parametrize("route", ["push", "transaction", "push, scanned"])
+def test_an_integer_past_64_bits_is_stored_digit_for_digit(client, db, route):
+    payloads = ['{"id":%s,"n":[%s,1.5]}' % (n, n) for n in EXACT]
+    items = ",".join('{"queue":"exact","transactionId":"t%d","payload":%s}' % (i, p)
+                     for i, p in enumerate(payloads))
+    if route == "push, scanned":  # over 64 KB: read by the streaming scanner, item by item
+        items += "," + ",".join(['{"queue":"pad","payload":"%s"}' % ("x" * 1000)] * 80)
+    if route == "transaction":
+        text, status = '{"operations":[{"type":"push","items":[%s]}]}' % items, 200
+    else:
+        text, status = '{"items":[%s]}' % items, 201
+    r = client.post(f"/api/v1/{'transaction' if route == 'transaction' else 'push'}", content=text.encode(),
+                    headers={"content-type": "application/json"})
+    assert r.status_code == status, r.text
+    stored = {row["transaction_id"]: bytes(row["payload"]) for row in db.execute(
+        "SELECT m.transaction_id, m.payload FROM queen.messages m JOIN queen.partitions p ON p.id = m.partition_id "
+        "JOIN queen.queues q ON q.id = p.queue_id WHERE q.name = 'exact'").fetchall()}
+    assert stored == {f"t{i}": p.encode() for i, p in enumerate(payloads)}
+    popped = client.get("/api/v1/pop/queue/exact?batch=10&autoAck=true").json()["messages"]
+    assert sorted((m["transactionId"], m["data"]) for m in popped) == \
+        sorted((f"t{i}", json.loads(p)) for i, p in enumerate(payloads))
+
+
+def test_a_64_bit_field_given_a_longer_integer_is_a_400_that_says_so(client, db):
+    r = client.post("/api/v1/timers", content=(
+        '{"operations":[{"op":"schedule","queue":"q","timerKey":"k","delayMs":12345678901234567890123,'
+        '"txn":"t","payload":"eA=="}]}').encode(), headers={"content-type": "application/json"})
+    answer = assert_json_error(r, 400, "timers_bad_request")
+    assert answer["detail"] == "operation 0: delayMs is out of range (a 64-bit integer)", answer
+    assert written(db) == NOTHING
 
 
 def test_a_huge_random_consumer_group_is_a_json_400_not_a_503(client, db):
