@@ -371,3 +371,16 @@ def test_required_leases_past_the_limit_is_400_and_writes_nothing(client, db, n)
     # the lease is still held: the same transaction within the limit commits
     out = txn(client, {"operations": [ack_op(msg), push_op("out", "o1")], "requiredLeases": [msg["leaseId"]] * MAX_LEASES})
     assert out["success"] is True
+
+
+def test_data_is_read_by_a_transactions_push_item_not_by_push(client, db):
+    """Queen's transaction route reads an item's `data` when it has no `payload`; its push
+    route reads `payload` only (absent: {}). Both as documented in docs/log-surface.md."""
+    r = client.post("/api/v1/push", json={"items": [{"queue": "datas", "transactionId": "p", "data": {"y": 1}}]})
+    assert r.status_code == 201, r.text
+    out = txn(client, {"operations": [{"type": "push", "items": [
+        {"queue": "datas", "transactionId": "t", "data": {"y": 1}},
+        {"queue": "datas", "transactionId": "both", "data": {"y": 1}, "payload": {"z": 2}}]}]})
+    assert out["success"], out
+    stored = {m["transactionId"]: m["data"] for m in pop(client, "datas")["messages"]}
+    assert stored == {"p": {}, "t": {"y": 1}, "both": {"z": 2}}
