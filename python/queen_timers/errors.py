@@ -98,10 +98,16 @@ def query_int(scope: dict, name: str) -> int | None:
     raw = query_param(scope, name)
     if raw is None or raw == "":
         return None
+    # ASCII digits only: int() also takes "0_2", " 2 ", "+2" and other scripts' digits
+    if _INTEGER.fullmatch(raw) is None:
+        raise bad_request(f"query parameter {name} must be an integer")
     try:
         return int(raw)
-    except ValueError:
+    except ValueError:  # more than 4,300 digits
         raise bad_request(f"query parameter {name} must be an integer") from None
+
+
+_INTEGER = re.compile(r"-?[0-9]+")
 
 
 def text_problem(value: str) -> str | None:

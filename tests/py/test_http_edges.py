@@ -9,10 +9,12 @@ import json
 import re
 import socket
 import time
+import urllib.parse
 
 import pytest
 
 from test_input_limits import read_response
+from timers_util import assert_error
 
 
 def rss_mb(pid: int) -> float:
@@ -173,3 +175,20 @@ def test_a_query_string_that_is_not_utf8_is_a_json_400_and_changes_nothing(clien
     assert r.status_code == 200 and r.json()["status"] == "cancelled" and r.json()["txn"] == "\ufffd", r.text
     r = client.get("/api/v1/timers/q?after=k1")
     assert r.status_code == 200 and [t["timerKey"] for t in r.json()["rows"]] == ["k2"], r.text
+
+
+# int() takes more than integers: "0_2", " 2 ", "+2" and other scripts' digits were read as 2
+NOT_INTEGERS = ["0_2", " 2 ", "+2", "\u0662", "\uff12", "2.0", "0x2", "2\n"]
+
+
+@pytest.mark.parametrize("path, name", [
+    ("/api/v1/timers/reminders", "limit"), ("/api/v1/dlq?queue=q", "limit"),
+    ("/api/v1/system/timers/stats", "buckets"), ("/api/v1/pop/queue/q", "batch")])
+def test_an_integer_query_parameter_is_ascii_digits_only(client, db, path, name):
+    sep = "&" if "?" in path else "?"
+    for raw in NOT_INTEGERS:
+        r = client.get(f"{path}{sep}{name}={urllib.parse.quote(raw)}")
+        answer = assert_error(r, 400, "timers_bad_request")
+        assert answer["detail"] == f"query parameter {name} must be an integer", (raw, answer)
+    for raw in ("2", "0002"):
+        assert client.get(f"{path}{sep}{name}={raw}").status_code in (200, 204), raw
