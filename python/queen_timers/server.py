@@ -61,6 +61,9 @@ from .convertors import RAW_PATH_KEY
 MAX_HEADERS = 100
 # requests a connection may have queued behind the one being served (HTTP/1.1 pipelining)
 MAX_PIPELINED = 32
+# a read longer than this is fed to the parser in pieces of it: a token that never ends is
+# refused within MAX_HEAD_BYTES + FEED_SLICE of its start, wherever in a read it starts
+FEED_SLICE = MAX_HEAD_BYTES // 2
 # an answer sent before its request's body had all come (a 401, 404, 413...): the rest of
 # the body is read and dropped for at most this long and this many bytes, then the connection
 # is closed (nginx's lingering close); uvicorn read and dropped it for as long as it came
@@ -661,6 +664,19 @@ class JsonErrorHttpToolsProtocol(HttpToolsProtocol):
             release_body(scope)
 
     def data_received(self, data: bytes) -> None:
+        if len(data) <= FEED_SLICE:
+            self._feed(data)
+            return
+        # A long read is fed in slices: what the parser holds without a callback (a chunk
+        # line, extension or trailer that never ends) is counted from the slice it starts
+        # in, not only from the next read when the same read also carried the head or a
+        # chunk (one read is up to 256 KiB).
+        for start in range(0, len(data), FEED_SLICE):
+            self._feed(data[start:start + FEED_SLICE])
+            if self.transport.is_closing() or self._refusing:
+                return
+
+    def _feed(self, data: bytes) -> None:
         if self._refusing:  # the last queued answer closes the connection; nothing more is read
             self.flow.pause_reading()
             return
