@@ -135,7 +135,8 @@ class HotRoutes:
 
     on_direct = staticmethod(lambda: None)  # counts the requests server.py's direct lane serves
 
-    def __init__(self, routes: list[tuple[Route, str]], answers: dict | None = None, starts: dict | None = None):
+    def __init__(self, routes: list[tuple[Route, str]], answers: dict | None = None, starts: dict | None = None,
+                 bodies: dict | None = None):
         # a route's own matching: a RawRoute (the timer key route) on the raw path, where
         # `%2F` is inside a segment; any other Route on the decoded path, as Starlette does
         self.lanes = [(route.raw_params if isinstance(route, RawRoute) else _decoded_matcher(route),
@@ -151,6 +152,10 @@ class HotRoutes:
         # endpoint -> start(app, scope): the answer's first half, synchronous (its statement on
         # the wire), which the direct lane runs before it builds the request's task
         self.starts = starts or {}
+        # endpoint -> body(started, row): the 200 answer's JSON from what start returned (its
+        # `call`, a db.Call) and the call's row, synchronous: the direct lane writes it from
+        # the database socket's reader callback when the call ends at once (server.DirectWait)
+        self.bodies = bodies or {}
 
     def match(self, scope):
         method = scope["method"]
@@ -313,7 +318,8 @@ def create_app(settings: Settings | None = None) -> Starlette:
     app.router.redirect_slashes = False
     app.hot = HotRoutes([(routes_timers.SCHEDULE_ROUTE, "POST"), (routes_timers.KEY_ROUTE, "DELETE")],
                         answers={routes_timers.KEY_ROUTE.endpoint: routes_timers.cancel_answer},
-                        starts={routes_timers.KEY_ROUTE.endpoint: routes_timers.cancel_start})
+                        starts={routes_timers.KEY_ROUTE.endpoint: routes_timers.cancel_start},
+                        bodies={routes_timers.KEY_ROUTE.endpoint: routes_timers.cancel_body})
     app.hot.on_direct = sweeper.metrics.http_direct.inc
     app.on_connection_reclaimed = sweeper.metrics.http_reclaimed.inc
     app.on_send_timed_out = sweeper.metrics.http_send_timeouts.inc

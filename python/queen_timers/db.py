@@ -262,13 +262,15 @@ def _send(conn: AsyncConnection, statement: Statement, values: list, prepare: bo
 
 
 async def _receive(pg: pq.abc.PGconn, wire: _Wire, statement: Statement, preparing: bool,
-                   values: list | None = None) -> tuple[str | None, ...] | None:
-    """fetch_row's row, once _send's message is on the wire."""
+                   values: list | None = None, received: pq.abc.PGresult | None = None
+                   ) -> tuple[str | None, ...] | None:
+    """fetch_row's row, once _send's message is on the wire (`received`: its result,
+    already read by Call.take_result)."""
     if preparing:
         _check(await _result(wire.loop, pg))
         wire.prepared.add(statement.name)
         pg.send_query_prepared(statement.name, values, param_formats=statement.formats)
-    res = await _result(wire.loop, pg)
+    res = received if received is not None else await _result(wire.loop, pg)
     if not preparing and _statement_gone(res, pg):
         # The session's prepared statements were dropped under us: psycopg sends
         # DEALLOCATE ALL after a ROLLBACK on a connection where it prepared statements
@@ -280,10 +282,16 @@ async def _receive(pg: pq.abc.PGconn, wire: _Wire, statement: Statement, prepari
         wire.prepared.add(statement.name)
         pg.send_query_prepared(statement.name, values, param_formats=statement.formats)
         res = await _result(wire.loop, pg)
-    res = _check(res)
+    return _row_of(_check(res))
+
+
+def _row_of(res: pq.abc.PGresult) -> tuple[str | None, ...] | None:
     if res.ntuples == 0:
         return None
     return tuple(None if (v := res.get_value(0, i)) is None else v.decode() for i in range(res.nfields))
+
+
+NOT_NOW = object()  # Call.row_now: the row needs row()'s path
 
 
 class Call:
@@ -297,11 +305,11 @@ class Call:
     the lease raise (an error of the send included), the connection already given
     back; `abandon` ends a call whose `row` will never run (its task was cancelled
     before it started)."""
-    __slots__ = ("lease", "conn", "statement", "values", "wire", "preparing", "error", "open")
+    __slots__ = ("lease", "conn", "statement", "values", "wire", "preparing", "error", "open", "received")
 
     def __init__(self, lease: Lease, conn: AsyncConnection, statement: Statement, params: dict):
         self.lease, self.conn, self.statement = lease, conn, statement
-        self.wire = self.error = None
+        self.wire = self.error = self.received = None
         self.values = None
         self.preparing = False
         self.open = True
@@ -322,13 +330,64 @@ class Call:
         try:
             if self.error is not None:
                 raise self.error
-            row = await _receive(self.conn.pgconn, self.wire, self.statement, self.preparing, self.values)
+            row = await _receive(self.conn.pgconn, self.wire, self.statement, self.preparing, self.values,
+                                 self.received)
         except BaseException as exc:
             await lease.__aexit__(type(exc), exc, exc.__traceback__)
             raise
         if not lease.give_now():
             await lease.__aexit__(None, None, None)
         return row
+
+    # The direct lane's way without a task (server.DirectWait): its statement flushed,
+    # the socket's reader callback reads the result (take_result) and, in the common case,
+    # ends the call at once (row_now); anything else goes on in row(), from the result read.
+
+    def waitable(self) -> int | None:
+        """The socket to wait on for the result, when the statement (already prepared) is
+        all on the wire; None: row() waits instead."""
+        if self.error is not None or self.preparing:
+            return None
+        pg = self.conn.pgconn
+        try:
+            if pg.flush():
+                return None
+        except Exception as exc:  # raised by row(), with the lease's end
+            self.error = exc
+            return None
+        return pg.socket
+
+    def take_result(self) -> bool:
+        """What the socket has, read without blocking: True once the result is whole (in
+        `received`; an error reading it in `error`), False while more is to come."""
+        pg = self.conn.pgconn
+        try:
+            pg.consume_input()
+            while not pg.is_busy():
+                res = pg.get_result()
+                if res is None:
+                    if self.received is None:
+                        raise psycopg.InterfaceError("the server sent no result")
+                    return True
+                self.received = res
+        except Exception as exc:
+            self.error = exc
+            if pg.transaction_status == TransactionStatus.ACTIVE or pg.status == ConnStatus.BAD:
+                pg.finish()  # as _result: no one may reuse it
+            return True
+        return False
+
+    def row_now(self):
+        """row(), once take_result is True, when nothing is left to wait for: the row, the
+        connection given back. NOT_NOW (nothing done) for an error, a statement the session
+        lost, or a connection that cannot be given back at once: row() ends those."""
+        res = self.received
+        if self.error is not None or res is None or res.status != ExecStatus.TUPLES_OK:
+            return NOT_NOW
+        if not self.lease.give_now():
+            return NOT_NOW
+        self.open = False
+        return _row_of(res)
 
     def abandon(self) -> None:
         if self.open:

@@ -828,6 +828,12 @@ async def cancel_answer(app, scope: dict, start: CancelStart | None = None) -> b
             return await db.fetch_row(conn, CANCEL, start.params)
 
         row = await _run_on(app, scope, work)
+    return cancel_body(start, row)
+
+
+def cancel_body(start: CancelStart, row: tuple) -> bytes:
+    """The DELETE's JSON from queen.cancel_timer's row (server.DirectWait writes it from
+    the database socket's reader callback, without the request's task)."""
     status = row[0]
     # orjson: the same compact UTF-8 JSON as JSONResponse, without the stdlib encoder's cost
     return orjson.dumps({"ok": status == "cancelled", "status": status, "queue": start.params["queue"],

@@ -281,3 +281,82 @@ def test_a_delete_whose_task_is_cancelled_before_it_begins_gives_back_what_it_to
     assert out[False] == (set(), 0, True, False)  # the slot and the call given back, its connection closed
     assert out[True] == (set(), 1, False, True)  # begun: nothing done for it here
     assert out["pool"] == (1, {})
+
+
+def test_a_delete_waits_for_its_row_without_a_task_and_leaves_the_rest_to_one(database_url):
+    """server.DirectWait: the lane's DELETE waits for its result on the database socket's
+    reader callback. A row ends it there (the 200 written, the connection and the slot
+    given back, no task made); an error goes on in _serve_direct's task with the result
+    already read; a stop that cancels it gives back the slot and closes the connection."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from queen_timers import db as qdb
+    from queen_timers.bodies import RequestSlots
+    from queen_timers.config import Settings
+    from queen_timers.routes_timers import CancelStart, cancel_body
+    from queen_timers.server import DirectCycle, DirectWait
+
+    cases = {"row": (qdb.Statement("SELECT 'cancelled'::text WHERE pg_sleep(%(s)s::float8) IS NOT NULL"), 0.1),
+             "error": (qdb.Statement("SELECT 1 / (%(s)s::float8 * 0)::int"), 0.1),
+             "cancel": (qdb.Statement("SELECT pg_sleep(%(s)s::float8)::text"), 5)}
+
+    async def go():
+        loop = asyncio.get_running_loop()
+        pool = qdb.make_pool(Settings(database_url=database_url, broker_id="lane", pool_min=1, pool_max=1))
+        await pool.open(wait=True)
+        try:
+            slots = RequestSlots(per_tenant=4)
+            app = SimpleNamespace(state=SimpleNamespace(request_slots=slots, body_budget=None))
+            out = {}
+            for case, (statement, seconds) in cases.items():
+                # prepared by a first call: the lane waits on the socket for a prepared statement only
+                first = qdb.Call.start(pool, "t1", statement, {"s": 0})
+                if case == "error":
+                    with pytest.raises(psycopg.errors.DivisionByZero):
+                        await first.row()
+                else:
+                    await first.row()
+                written, by_task = [], []
+                proto = SimpleNamespace(tasks=set(), loop=loop,
+                                        _write_direct=lambda *a: written.append(a[1:]),
+                                        _serve_by_task=lambda *a: by_task.append(a[4]))
+                scope = {"app": app}
+                slots.take(scope, "t1")
+                call = qdb.Call.start(pool, "t1", statement, {"s": seconds})
+                started = CancelStart({"tenant": "t1", "queue": "q", "timer_key": "k"}, "x", call)
+                fd = call.waitable()
+                assert fd is not None, case
+                wait = DirectWait(proto, DirectCycle(keep_alive=True), ("endpoint", {}), scope, started,
+                                  cancel_body, fd)
+                assert proto.tasks == {wait} and not wait.done()
+                if case == "cancel":
+                    await asyncio.sleep(0.2)
+                    assert wait.cancel(msg="a stop") and wait.done()
+                    assert proto.tasks == {wait}  # removed on the loop's next turn, as a task is
+                for _ in range(100):
+                    if wait.done() and not proto.tasks:
+                        break
+                    await asyncio.sleep(0.02)
+                out[case] = (wait.done(), proto.tasks, slots.in_use, written,
+                             [s is started for s in by_task], call.open, call.conn.closed)
+                if by_task:  # the task's row() ends it, from the result read
+                    with pytest.raises(psycopg.errors.DivisionByZero):
+                        await call.row()
+                    slots.release(scope)
+                for _ in range(50):
+                    if len(pool._pool) == 1 and not pool._pool[0].closed:
+                        break
+                    await asyncio.sleep(0.1)
+            out["pool"] = (len(pool._pool), dict(pool._by_tenant))
+            return out
+        finally:
+            await pool.close()
+
+    out = asyncio.run(go())
+    body = b'{"ok":true,"status":"cancelled","queue":"q","timerKey":"k","txn":"x"}'
+    headers = [(b"content-length", b"%d" % len(body)), (b"content-type", b"application/json")]
+    assert out["row"] == (True, set(), 0, [(200, headers, body)], [], False, False)
+    assert out["error"][:6] == (True, set(), 1, [], [True], True)  # the task's now, the slot still held
+    assert out["cancel"] == (True, set(), 0, [], [], False, True)  # closed, never pooled
+    assert out["pool"] == (1, {})
