@@ -384,10 +384,11 @@ class Call:
         res = self.received
         if self.error is not None or res is None or res.status != ExecStatus.TUPLES_OK:
             return NOT_NOW
+        row = _row_of(res)  # before the connection goes back: a raise here leaves the call to row()
         if not self.lease.give_now():
             return NOT_NOW
         self.open = False
-        return _row_of(res)
+        return row
 
     def abandon(self) -> None:
         if self.open:

@@ -259,7 +259,10 @@ class DirectWait:
             return
         self._end()
         self.proto.tasks.discard(self)
-        row = call.row_now()
+        try:
+            row = call.row_now()
+        except Exception as exc:  # row() raises it, with the lease's end
+            call.error, row = exc, db.NOT_NOW
         proto, cycle, scope = self.proto, self.cycle, self.scope
         if row is db.NOT_NOW:  # row() ends it, in the task, from the result read
             proto._serve_by_task(cycle, self.hit, scope, None, self.started)
