@@ -10,6 +10,7 @@ ways on one broker; queen_timers_http_direct_requests_total tells which way it w
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import re
@@ -17,6 +18,7 @@ import signal
 import socket
 import threading
 import time
+from types import SimpleNamespace
 
 import httpx
 import psycopg
@@ -233,51 +235,67 @@ def test_a_graceful_shutdown_answers_the_delete_in_flight_and_closes(spawn_broke
     assert "Traceback" not in b.log_path.read_text()
 
 
-def test_a_delete_whose_task_is_cancelled_before_it_begins_gives_back_what_it_took(database_url):
-    """The lane sends the DELETE's statement before it builds the task (cancel_start); a task
-    cancelled before its first step (a stop) never runs its finally, so its done callback
-    gives back the request slot and the connection, which the pool replaces."""
-    import asyncio
+def on_one_connection(database_url, body) -> dict:
+    """`await body(pool, slots, app)` on a pool of one connection (tenant t1's share of it)
+    and a RequestSlots, `app` being what a request's scope names; its dict, with the pool's
+    connections and shares at the end."""
     from types import SimpleNamespace
 
     from queen_timers import db as qdb
     from queen_timers.bodies import RequestSlots
     from queen_timers.config import Settings
-    from queen_timers.routes_timers import CancelStart
-    from queen_timers.server import DirectCycle, JsonErrorHttpToolsProtocol
 
     async def go():
         pool = qdb.make_pool(Settings(database_url=database_url, broker_id="lane", pool_min=1, pool_max=1))
         await pool.open(wait=True)
         try:
             slots = RequestSlots(per_tenant=4)
-            app = SimpleNamespace(state=SimpleNamespace(request_slots=slots, body_budget=None))
-            out = {}
-            for began in (False, True):
-                scope = {"app": app}
-                slots.take(scope, "t1")
-                call = qdb.Call.start(pool, "t1", qdb.Statement("SELECT pg_sleep(%(s)s::float8)"), {"s": 0.2})
-                started = CancelStart({"tenant": "t1", "queue": "q", "timer_key": "k"}, None, call)
-                cycle = DirectCycle(keep_alive=True)
-                cycle.began = began
-                task = asyncio.get_running_loop().create_future()
-                task.cancel()
-                protocol = SimpleNamespace(tasks={task})
-                JsonErrorHttpToolsProtocol._direct_done(protocol, task, cycle, scope, started)
-                out[began] = (protocol.tasks, slots.in_use, call.conn.closed, call.open)
-                if began:  # its own finally gives back what it holds
-                    await call.row()
-                    slots.release(scope)
-                for _ in range(50):
-                    if len(pool._pool) == 1 and not pool._pool[0].closed:
-                        break
-                    await asyncio.sleep(0.1)
+            out = await body(pool, slots, SimpleNamespace(state=SimpleNamespace(request_slots=slots, body_budget=None)))
             out["pool"] = (len(pool._pool), dict(pool._by_tenant))
             return out
         finally:
             await pool.close()
 
-    out = asyncio.run(go())
+    return asyncio.run(go())
+
+
+async def pool_whole_again(pool) -> None:
+    """Until the pool holds one open connection (it replaces a closed one)."""
+    for _ in range(50):
+        if len(pool._pool) == 1 and not pool._pool[0].closed:
+            return
+        await asyncio.sleep(0.1)
+
+
+def test_a_delete_whose_task_is_cancelled_before_it_begins_gives_back_what_it_took(database_url):
+    """The lane sends the DELETE's statement before it builds the task (cancel_start); a task
+    cancelled before its first step (a stop) never runs its finally, so its done callback
+    gives back the request slot and the connection, which the pool replaces."""
+    from queen_timers import db as qdb
+    from queen_timers.routes_timers import CancelStart
+    from queen_timers.server import DirectCycle, JsonErrorHttpToolsProtocol
+
+    async def body(pool, slots, app):
+        out = {}
+        for began in (False, True):
+            scope = {"app": app}
+            slots.take(scope, "t1")
+            call = qdb.Call.start(pool, "t1", qdb.Statement("SELECT pg_sleep(%(s)s::float8)"), {"s": 0.2})
+            started = CancelStart({"tenant": "t1", "queue": "q", "timer_key": "k"}, None, call)
+            cycle = DirectCycle(keep_alive=True)
+            cycle.began = began
+            task = asyncio.get_running_loop().create_future()
+            task.cancel()
+            protocol = SimpleNamespace(tasks={task})
+            JsonErrorHttpToolsProtocol._direct_done(protocol, task, cycle, scope, started)
+            out[began] = (protocol.tasks, slots.in_use, call.conn.closed, call.open)
+            if began:  # its own finally gives back what it holds
+                await call.row()
+                slots.release(scope)
+            await pool_whole_again(pool)
+        return out
+
+    out = on_one_connection(database_url, body)
     assert out[False] == (set(), 0, True, False)  # the slot and the call given back, its connection closed
     assert out[True] == (set(), 1, False, True)  # begun: nothing done for it here
     assert out["pool"] == (1, {})
@@ -288,12 +306,7 @@ def test_a_delete_waits_for_its_row_without_a_task_and_leaves_the_rest_to_one(da
     reader callback. A row ends it there (the 200 written, the connection and the slot
     given back, no task made); an error goes on in _serve_direct's task with the result
     already read; a stop that cancels it gives back the slot and closes the connection."""
-    import asyncio
-    from types import SimpleNamespace
-
     from queen_timers import db as qdb
-    from queen_timers.bodies import RequestSlots
-    from queen_timers.config import Settings
     from queen_timers.routes_timers import CancelStart, cancel_body
     from queen_timers.server import DirectCycle, DirectWait
 
@@ -301,62 +314,49 @@ def test_a_delete_waits_for_its_row_without_a_task_and_leaves_the_rest_to_one(da
              "error": (qdb.Statement("SELECT 1 / (%(s)s::float8 * 0)::int"), 0.1),
              "cancel": (qdb.Statement("SELECT pg_sleep(%(s)s::float8)::text"), 5)}
 
-    async def go():
-        loop = asyncio.get_running_loop()
-        pool = qdb.make_pool(Settings(database_url=database_url, broker_id="lane", pool_min=1, pool_max=1))
-        await pool.open(wait=True)
-        try:
-            slots = RequestSlots(per_tenant=4)
-            app = SimpleNamespace(state=SimpleNamespace(request_slots=slots, body_budget=None))
-            out = {}
-            for case, (statement, seconds) in cases.items():
-                # prepared by a first call: the lane waits on the socket for a prepared statement only
-                first = qdb.Call.start(pool, "t1", statement, {"s": 0})
-                if case == "error":
-                    with pytest.raises(psycopg.errors.DivisionByZero):
-                        await first.row()
-                else:
+    async def body(pool, slots, app):
+        out = {}
+        for case, (statement, seconds) in cases.items():
+            # prepared by a first call: the lane waits on the socket for a prepared statement only
+            first = qdb.Call.start(pool, "t1", statement, {"s": 0})
+            if case == "error":
+                with pytest.raises(psycopg.errors.DivisionByZero):
                     await first.row()
-                written, by_task = [], []
-                proto = SimpleNamespace(tasks=set(), loop=loop,
-                                        _write_direct=lambda *a: written.append(a[1:]),
-                                        _serve_by_task=lambda *a: by_task.append(a[4]))
-                scope = {"app": app}
-                slots.take(scope, "t1")
-                call = qdb.Call.start(pool, "t1", statement, {"s": seconds})
-                started = CancelStart({"tenant": "t1", "queue": "q", "timer_key": "k"}, "x", call)
-                fd = call.waitable()
-                assert fd is not None, case
-                wait = DirectWait(proto, DirectCycle(keep_alive=True), ("endpoint", {}), scope, started,
-                                  cancel_body, fd)
-                assert proto.tasks == {wait} and not wait.done()
-                if case == "cancel":
-                    await asyncio.sleep(0.2)
-                    assert wait.cancel(msg="a stop") and wait.done()
-                    assert proto.tasks == {wait}  # removed on the loop's next turn, as a task is
-                for _ in range(100):
-                    if wait.done() and not proto.tasks:
-                        break
-                    await asyncio.sleep(0.02)
-                out[case] = (wait.done(), proto.tasks, slots.in_use, written,
-                             [s is started for s in by_task], call.open, call.conn.closed)
-                if by_task:  # the task's row() ends it, from the result read
-                    with pytest.raises(psycopg.errors.DivisionByZero):
-                        await call.row()
-                    slots.release(scope)
-                for _ in range(50):
-                    if len(pool._pool) == 1 and not pool._pool[0].closed:
-                        break
-                    await asyncio.sleep(0.1)
-            out["pool"] = (len(pool._pool), dict(pool._by_tenant))
-            return out
-        finally:
-            await pool.close()
+            else:
+                await first.row()
+            written, by_task = [], []
+            proto = SimpleNamespace(tasks=set(), loop=asyncio.get_running_loop(),
+                                    _write_direct=lambda *a: written.append(a[1:]),
+                                    _serve_by_task=lambda *a: by_task.append(a[4]))
+            scope = {"app": app}
+            slots.take(scope, "t1")
+            call = qdb.Call.start(pool, "t1", statement, {"s": seconds})
+            started = CancelStart({"tenant": "t1", "queue": "q", "timer_key": "k"}, "x", call)
+            fd = call.waitable()
+            assert fd is not None, case
+            wait = DirectWait(proto, DirectCycle(keep_alive=True), ("endpoint", {}), scope, started, cancel_body, fd)
+            assert proto.tasks == {wait} and not wait.done()
+            if case == "cancel":
+                await asyncio.sleep(0.2)
+                assert wait.cancel(msg="a stop") and wait.done()
+                assert proto.tasks == {wait}  # removed on the loop's next turn, as a task is
+            for _ in range(100):
+                if wait.done() and not proto.tasks:
+                    break
+                await asyncio.sleep(0.02)
+            out[case] = (wait.done(), proto.tasks, slots.in_use, written,
+                         [s is started for s in by_task], call.open, call.conn.closed)
+            if by_task:  # the task's row() ends it, from the result read
+                with pytest.raises(psycopg.errors.DivisionByZero):
+                    await call.row()
+                slots.release(scope)
+            await pool_whole_again(pool)
+        return out
 
-    out = asyncio.run(go())
-    body = b'{"ok":true,"status":"cancelled","queue":"q","timerKey":"k","txn":"x"}'
-    headers = [(b"content-length", b"%d" % len(body)), (b"content-type", b"application/json")]
-    assert out["row"] == (True, set(), 0, [(200, headers, body)], [], False, False)
+    out = on_one_connection(database_url, body)
+    answer = b'{"ok":true,"status":"cancelled","queue":"q","timerKey":"k","txn":"x"}'
+    headers = [(b"content-length", b"%d" % len(answer)), (b"content-type", b"application/json")]
+    assert out["row"] == (True, set(), 0, [(200, headers, answer)], [], False, False)
     assert out["error"][:6] == (True, set(), 1, [], [True], True)  # the task's now, the slot still held
     assert out["cancel"] == (True, set(), 0, [], [], False, True)  # closed, never pooled
     assert out["pool"] == (1, {})
