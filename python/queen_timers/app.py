@@ -23,6 +23,7 @@ from .convertors import RawRoute, raw_route_path
 from .db import make_pool
 from .errors import ApiError, from_exception
 from .retention import Retention
+from .server import json_headers
 from .sweeper import Sweeper
 from .turns import SharedCall, Turns
 
@@ -198,7 +199,7 @@ class HotRoutes:
         except Exception as exc:
             response = await self._handle(app, Request(scope, receive), exc)
             return response.status_code, response.raw_headers, response.body
-        return 200, [(b"content-length", b"%d" % len(body)), (b"content-type", b"application/json")], body
+        return 200, json_headers(body), body
 
     async def _handle(self, app: Starlette, request: Request, exc: Exception) -> Response:
         """exc's handler's response (app.exception_handlers), or a JSON 500."""

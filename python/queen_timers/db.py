@@ -362,20 +362,12 @@ class Call:
         `received`; an error reading it in `error`), False while more is to come."""
         pg = self.conn.pgconn
         try:
-            pg.consume_input()
-            while not pg.is_busy():
-                res = pg.get_result()
-                if res is None:
-                    if self.received is None:
-                        raise psycopg.InterfaceError("the server sent no result")
-                    return True
-                self.received = res
+            whole, self.received = _read_result(pg, self.received)
         except Exception as exc:
             self.error = exc
-            if pg.transaction_status == TransactionStatus.ACTIVE or pg.status == ConnStatus.BAD:
-                pg.finish()  # as _result: no one may reuse it
+            _drop_if_unusable(pg)
             return True
-        return False
+        return whole
 
     def row_now(self):
         """row(), once take_result is True, when nothing is left to wait for: the row, the
@@ -427,18 +419,31 @@ async def _result(loop: asyncio.AbstractEventLoop, pg: pq.abc.PGconn) -> pq.abc.
             await _ready(loop, fd, loop.add_writer, loop.remove_writer)
         while True:
             await _ready(loop, fd, loop.add_reader, loop.remove_reader)
-            pg.consume_input()
-            while not pg.is_busy():
-                res = pg.get_result()
-                if res is None:
-                    if result is None:
-                        raise psycopg.InterfaceError("the server sent no result")
-                    return result
-                result = res  # the last one is the query's (there is one)
+            whole, result = _read_result(pg, result)
+            if whole:
+                return result
     except BaseException:
-        if pg.transaction_status == TransactionStatus.ACTIVE or pg.status == ConnStatus.BAD:
-            pg.finish()  # a query still in flight, or a broken link: no one may reuse it
+        _drop_if_unusable(pg)
         raise
+
+
+def _read_result(pg: pq.abc.PGconn, result: pq.abc.PGresult | None) -> tuple[bool, pq.abc.PGresult | None]:
+    """One read of what the socket has, without blocking: (True, the query's result) once
+    it is whole, else (False, the result so far)."""
+    pg.consume_input()
+    while not pg.is_busy():
+        res = pg.get_result()
+        if res is None:
+            if result is None:
+                raise psycopg.InterfaceError("the server sent no result")
+            return True, result
+        result = res  # the last one is the query's (there is one)
+    return False, result
+
+
+def _drop_if_unusable(pg: pq.abc.PGconn) -> None:
+    if pg.transaction_status == TransactionStatus.ACTIVE or pg.status == ConnStatus.BAD:
+        pg.finish()  # a query still in flight, or a broken link: no one may reuse it
 
 
 def _wake(future: asyncio.Future) -> None:

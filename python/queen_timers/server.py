@@ -231,6 +231,12 @@ class DirectCycle:
         self.body = b""
 
 
+def json_headers(body: bytes) -> list[tuple[bytes, bytes]]:
+    """A JSON 200's headers as Starlette's Response writes them (app.HotRoutes.respond_direct
+    and DirectWait give them to _write_direct)."""
+    return [(b"content-length", b"%d" % len(body)), (b"content-type", b"application/json")]
+
+
 class DirectWait:
     """A direct-lane request whose statement is on the wire, waiting for its result
     without a task: the database socket's reader callback reads it (db.Call.take_result)
@@ -273,8 +279,7 @@ class DirectWait:
             proto._serve_by_task(cycle, self.hit, scope, None, exc)
             return
         try:
-            proto._write_direct(cycle, 200, [(b"content-length", b"%d" % len(body)),
-                                             (b"content-type", b"application/json")], body)
+            proto._write_direct(cycle, 200, json_headers(body), body)
         finally:
             release_body(scope)
 
