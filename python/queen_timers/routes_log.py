@@ -547,6 +547,9 @@ def _txn_result(r: dict) -> dict:
             "partitionName": r["partition_name"], "leaseReleased": r["lease_released"], "dlq": r["dlq"]}
 
 
+TXN_TOO_MANY = f"at most {MAX_TXN_OPS} operations (pushed items and acks) per transaction"
+
+
 async def transaction(request: Request) -> JSONResponse:
     """Queen's POST /api/v1/transaction: {operations: [{type: "push", items: [...]} |
     {type: "ack", transactionId, partitionId, status?, error?, leaseId?, consumerGroup?}],
@@ -587,7 +590,11 @@ async def transaction(request: Request) -> JSONResponse:
             items = op.get("items")
             if not isinstance(items, list):
                 raise bad_request(f"{where}.items is required (an array)")
+            if flat + len(items) > MAX_TXN_OPS:  # refused before its items are parsed
+                raise bad_request(TXN_TOO_MANY)
             for j, item in enumerate(items):
+                if j and not j % PARSE_SLICE:
+                    await asyncio.sleep(0)  # as a push's items: the other requests get their turn
                 if isinstance(item, dict) and "payload" not in item and "data" in item:
                     item = {**item, "payload": item["data"]}  # Queen reads payload, else data
                 pushes[flat] = _parse_push_item(item, f"{where}.items[{j}]")
@@ -598,7 +605,7 @@ async def transaction(request: Request) -> JSONResponse:
         else:
             raise bad_request(f"{where}.type must be push or ack")
         if flat > MAX_TXN_OPS:
-            raise bad_request(f"at most {MAX_TXN_OPS} operations (pushed items and acks) per transaction")
+            raise bad_request(TXN_TOO_MANY)
     if flat == 0:
         raise bad_request("the transaction has no operations (every push has an empty items array)")
 

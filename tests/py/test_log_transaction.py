@@ -163,6 +163,11 @@ def test_a_repeated_push_transaction_is_idempotent(client, db):
     ({"operations": [{"type": "push", "items": [{"queue": "out"}]}],
       "kv": [{"op": "put", "ns": "n", "key": "k"}]}, "kv"),
     ({"operations": [{"type": "push", "items": [{"queue": "out"}]}], "timers": [{"op": "cancel"}]}, "timers"),
+    # one push operation past the 10,000 operations in all, refused before its items are parsed
+    ({"operations": [{"type": "push", "items": [{"queue": "out"}] * 10001}]}, "at most 10000 operations"),
+    ({"operations": [{"type": "ack", "transactionId": "t", "partitionId": "00000000-0000-0000-0000-000000000000"},
+                     {"type": "push", "items": [{"queue": "out", "payload": {"a": [1]}}] * 10000}]},
+     "at most 10000 operations"),
 ])
 def test_transaction_shape_errors_are_400_and_write_nothing(client, db, body, detail):
     r = client.post("/api/v1/transaction", json=body)
