@@ -25,10 +25,12 @@ What a client sends never decides how much memory the broker uses:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import ctypes.util
 import math
 import re
+import time
 from collections import deque
 from heapq import heapify, heappop, heappush
 from itertools import accumulate
@@ -53,6 +55,22 @@ MAX_JSON_DEPTH = 128
 # Bodies up to this size are read whole and parsed in one call (under a
 # millisecond); larger ones are scanned as they arrive.
 SMALL_BODY_BYTES = 64 * 1024
+# A larger body is scanned (and its member's elements decoded) in slices of
+# SCAN_SLICE bytes, and the request's task lets the loop run the others once
+# it has scanned for SCAN_TURN_S: a read of up to 256 KiB of a body dense in
+# small arrays and objects (Python steps per bracket) took 0.2 s in one go, and
+# four such bodies held every other tenant's requests for over a second (the
+# Dec 7 audit). With turns of 0.5 ms, four such bodies at once left another
+# tenant's DELETE a p50 of 6 ms (20 ms with turns of 2 ms).
+SCAN_SLICE = 8 * 1024
+SCAN_TURN_S = 0.0005
+# A body without a list of elements (configure, ack, lease extend, the cell's
+# switches) is decoded in one call at its end, so its size is what bounds that
+# call: 64 KiB, where the largest legal one is a few hundred bytes. (A dense 3 MB
+# configure took 0.5 s in msgspec alone.) Push, ack/batch and transaction take
+# QUEEN_LOG_MAX_BODY_BYTES, element by element.
+LISTLESS_MAX_BODY_BYTES = SMALL_BODY_BYTES
+LISTLESS_LIMIT = "a body without a list of items, acknowledgments or operations"
 # What a body weighs in the budget, per byte of it. The timer route
 # decodes each operation's base64 as soon as the operation is complete and
 # streams the bytes to PostgreSQL (COPY), so it holds about 3/4 of its
@@ -449,6 +467,25 @@ _STRUCT = re.compile(rb'["\[\]{},]')
 # strings without escapes, and anything but quotes, backslashes and brackets
 _RUN = re.compile(rb'(?:"[^"\\]*"|[^"\\\[\]{}])*')
 _SIMPLE_STRING = re.compile(rb'"[^"\\]*"')
+# Inside a value (past the member's level), a run of complete values nested at
+# most FAST_NEST levels below where it starts, in one C call: possessive and
+# atomic, so it never backtracks, and it stops before a container or string the
+# bytes so far leave open. Its commas and brackets, strings taken out, are the
+# values it adds; nothing else is kept of it. Body dense in small arrays and
+# objects cost a Python step per bracket before: 2 s of CPU for a 3 MB body.
+_ANY_STRING_TEXT = rb'"(?:[^"\\]++|\\.)*+"'
+_ANY_STRING = re.compile(_ANY_STRING_TEXT, re.DOTALL)
+FAST_NEST = 12
+
+
+def _segment_pattern(levels: int) -> bytes:
+    inner = rb'(?:[^\[\]{}"]++|' + _ANY_STRING_TEXT + rb')*+'
+    for _ in range(levels):
+        inner = rb'(?:[^\[\]{}"]++|' + _ANY_STRING_TEXT + rb'|[\[{]' + inner + rb'[\]}])*+'
+    return inner
+
+
+_SEGMENT = re.compile(_segment_pattern(FAST_NEST), re.DOTALL)
 # the rest of a string's body: stops at its closing quote, or at the end of
 # what has arrived (a trailing backslash is left for the next chunk)
 _STRING_REST = re.compile(rb'[^"\\]*(?:\\.[^"\\]*)*', re.DOTALL)
@@ -512,6 +549,18 @@ class JsonScanner:
                     self.last_key = (self.string_start, end)
                 i = end + 1
                 continue
+            if self.depth >= 2 + self.in_member and self.depth + FAST_NEST <= self.max_depth:
+                end = _SEGMENT.match(buf, i).end()
+                if end > i:
+                    seg = bytes(buf[i:end])
+                    if b'"' in seg:
+                        seg = _ANY_STRING.sub(b"", seg)
+                    k = seg.count(b",") + seg.count(b"[") + seg.count(b"{")
+                    if k:
+                        self._count(k)
+                    i = end
+                    if i >= n:
+                        break
             if not (self.in_member and self.depth == 2):
                 # a run of values in one C call: strings without escapes, numbers, literals,
                 # commas (only the member array's commas delimit elements one by one)
@@ -700,12 +749,31 @@ def parse_json(raw: bytes, *, limit: int = MAX_JSON_DEPTH, max_values: int | Non
 # reading a body
 # ---------------------------------------------------------------------------
 
-async def _stream(request: Request, consume: Callable[[bytes], None], *, timers: bool) -> int:
-    """Feed the body to `consume` chunk by chunk, under the route's cap and the
-    budget. Returns the number of bytes read."""
+class _Turns:
+    """The loop's turn for the others, once a request's task has scanned for SCAN_TURN_S
+    (counted from its last turn, or from its start: at worst one turn too many)."""
+
+    __slots__ = ("since",)
+
+    def __init__(self) -> None:
+        self.since = time.perf_counter()
+
+    async def maybe(self) -> None:
+        if time.perf_counter() - self.since > SCAN_TURN_S:
+            await asyncio.sleep(0)
+            self.since = time.perf_counter()
+
+
+async def _pieces(request: Request, turns: _Turns, *, timers: bool, listless: bool):
+    """The body in pieces of at most SCAN_SLICE bytes, under the route's cap and the
+    budget; the loop gets its turn between pieces once this request has had its
+    SCAN_TURN_S (the caller's work on a piece counts). `listless`: a log route whose
+    body has no list of elements (LISTLESS_MAX_BODY_BYTES)."""
     settings = request.app.state.settings
     if timers:
         cap, weight, variable = settings.max_body_bytes, TIMERS_WEIGHT, "QUEEN_MAX_BODY_BYTES"
+    elif listless:
+        cap, weight, variable = LISTLESS_MAX_BODY_BYTES, LOG_WEIGHT, LISTLESS_LIMIT
     else:
         cap, weight, variable = settings.log_max_body_bytes, LOG_WEIGHT, "QUEEN_LOG_MAX_BODY_BYTES"
     budget: BodyBudget = request.app.state.body_budget
@@ -737,12 +805,16 @@ async def _stream(request: Request, consume: Callable[[bytes], None], *, timers:
                     step = min(max(CHUNKED_STEP_BYTES, seen - held), cap - held)
                     deadline = await budget.take(request.scope, tenant, step * weight, deadline)
                     held += step
-                consume(chunk)
+                if seen <= SMALL_BODY_BYTES:  # parsed whole at its end, in well under a millisecond a KiB
+                    yield chunk
+                    continue
+                for start in range(0, len(chunk), SCAN_SLICE):
+                    yield chunk[start:start + SCAN_SLICE]
+                    await turns.maybe()
     except TimeoutError:
         raise ApiError(408, "request_timeout",
                        f"the body did not arrive within {settings.body_timeout_ms} ms (QUEEN_BODY_TIMEOUT_MS); "
                        f"{seen} bytes had", {"Connection": "close"}) from None
-    return seen
 
 
 async def read_json(request: Request, *, empty: object = ..., unicode: bool = False,
@@ -765,25 +837,31 @@ async def read_json(request: Request, *, empty: object = ..., unicode: bool = Fa
     small = bytearray()
     scanner: JsonScanner | None = None
 
-    def consume(chunk: bytes) -> None:
+    turns = _Turns()
+
+    async def consume() -> None:
         nonlocal scanner
-        if scanner is None:
-            small.extend(chunk)
-            if len(small) <= SMALL_BODY_BYTES:
-                return
-            scanner = JsonScanner(max_values=max_values, member=member.encode() if member else None,
-                                  member_cap=member_cap, member_refusal=member_refusal, on_item=on_item,
-                                  kept_cap=kept_cap, item_cap=item_cap)
-            first = bytes(small)
-            small.clear()
-            _check_utf8_prefix(first)
-            scanner.feed(first)
-        else:
-            scanner.feed(chunk)
+        async with contextlib.aclosing(_pieces(request, turns, timers=timers, listless=member is None)) as pieces:
+            async for piece in pieces:
+                if scanner is not None:
+                    scanner.feed(piece)
+                    continue
+                small.extend(piece)
+                if len(small) <= SMALL_BODY_BYTES:
+                    continue
+                scanner = JsonScanner(max_values=max_values, member=member.encode() if member else None,
+                                      member_cap=member_cap, member_refusal=member_refusal, on_item=on_item,
+                                      kept_cap=kept_cap, item_cap=item_cap)
+                first = bytes(small)
+                small.clear()
+                _check_utf8_prefix(first)
+                for start in range(0, len(first), SCAN_SLICE):
+                    scanner.feed(first[start:start + SCAN_SLICE])
+                    await turns.maybe()
 
     try:
         try:
-            await _stream(request, consume, timers=timers)
+            await consume()
             if scanner is None:
                 raw = bytes(small)
                 if not raw and empty is not ...:

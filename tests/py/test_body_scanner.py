@@ -82,3 +82,56 @@ def test_the_member_cap_and_the_kept_text_cap():
     scanner = JsonScanner(max_values=10 ** 6, member=b"operations", kept_cap=100)
     with pytest.raises(JsonLimit, match="more than 100 bytes outside"):
         scanner.feed(b'{"operations": [], "pad": "' + b"p" * 200)
+
+
+def nested(depth: int, rng: random.Random) -> bytes:
+    """A value nesting `depth` levels of arrays and objects, odd strings beside each level."""
+    raw = b"1"
+    for _ in range(depth):
+        s = json.dumps(rng.choice(ODD_STRINGS)).encode()
+        raw = b"[" + s + b"," + raw + b"]" if rng.random() < 0.5 else b'{"k":' + raw + b',"s":' + s + b"}"
+    return raw
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 256, 8192, 1 << 20])
+def test_the_depth_limit_holds_inside_elements_whatever_the_chunks(chunk):
+    # Inside an element the scanner skips runs of complete values in one C call when they
+    # cannot reach the limit (FAST_NEST levels below the depth it is at): 128 levels in
+    # all still parse, 129 are refused, wherever the levels start and the chunks end.
+    rng = random.Random(chunk)
+    for total in (127, 128, 129, 140):
+        for before in (1, 2, 3, 60, 115, 116, 117, 126):
+            inner = total - 2 - before  # the document's object and the member's array
+            if inner < 0:
+                continue
+            raw = (b'{"operations": [' + b"[" * before + nested(inner, rng) + b"]" * before
+                   + b', {"a": [' + b'{"b": []},' * 50 + b'"x"]}]}')
+            scanner = JsonScanner(max_values=10 ** 6, member=b"operations")
+            if total <= 128:
+                for i in range(0, len(raw), chunk):
+                    scanner.feed(raw[i:i + chunk])
+                assert scanner.finish() == orjson.loads(raw)
+                assert scanner.values == expected_values(raw)
+            else:
+                with pytest.raises(JsonLimit, match="nests deeper than 128"):
+                    for i in range(0, len(raw), chunk):
+                        scanner.feed(raw[i:i + chunk])
+
+
+@pytest.mark.parametrize("chunk", [3, 8192])
+def test_a_body_dense_in_small_containers_counts_every_value(chunk):
+    # the shape of the Dec 7 audit's body (a payload of thousands of tiny objects), with
+    # strings that hold brackets, commas, quotes and backslashes between them
+    rng = random.Random(chunk)
+    parts = [rng.choice([b'{"a":[]}', b'[{}]', b'{"s":"[{,}]\\"\\\\"}', b'[1,[2,{"x":","}]]', b'"]"'])
+             for _ in range(3000)]
+    raw = b'{"items": [{"queue": "q", "payload": [' + b",".join(parts) + b']}, 2], "t": [' + b",".join(parts) + b"]}"
+    scanner = JsonScanner(max_values=10 ** 6, member=b"items")
+    for i in range(0, len(raw), chunk):
+        scanner.feed(raw[i:i + chunk])
+    assert scanner.finish() == orjson.loads(raw)
+    assert scanner.values == expected_values(raw)
+    limited = JsonScanner(max_values=expected_values(raw) - 1, member=b"items")
+    with pytest.raises(JsonLimit, match="JSON values"):
+        for i in range(0, len(raw), chunk):
+            limited.feed(raw[i:i + chunk])
