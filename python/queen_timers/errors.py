@@ -34,7 +34,9 @@ SQLSTATE_HTTP: dict[str, tuple[int, str]] = {
 # connection reached a standby or a primary fenced read-only, as during a
 # switchover; the connection is discarded and the next one finds the primary.
 READ_ONLY_SQLSTATE = "25006"
-TRANSIENT_SQLSTATES = {"40001", "40P01", READ_ONLY_SQLSTATE}
+# 55P03 lock_not_available: a fire that waited past its lock_timeout (migration 031) on a
+# transaction that will end; a retry later succeeds, so it spends no attempt
+TRANSIENT_SQLSTATES = {"40001", "40P01", "55P03", READ_ONLY_SQLSTATE}
 TRANSIENT_CLASSES = {"08", "53", "57"}
 
 _RETRY = re.compile(r"retry_after_seconds=(\d+)")

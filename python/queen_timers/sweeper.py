@@ -56,6 +56,8 @@ TURN = "current_setting('queen.fire_turn', true) AS turn"
 FIRE_DUE = lag_summary_sql("SELECT * FROM queen.fire_due_timers(%s, p_redo_duplicates => false, p_turn => %s)",
                            TURN)
 FIRE_DUE_REDO = lag_summary_sql("SELECT * FROM queen.fire_due_timers(%s, p_turn => %s)", TURN)
+BLOCKED_ERROR = ("a frame of this tenant waited past 50 ms on another transaction of the tenant "
+                 "(a queue, partition or txn it was writing) in this pass")
 CLAIM = (f"SELECT c.*, {TURN} FROM queen.claim_timers(%s, %s, %s, p_zstd_only => %s, p_max_bytes => %s,"
          " p_turn => %s) c")
 # the frames travel as four parallel arrays (no composite type to register on the connection)
@@ -228,7 +230,9 @@ class Sweeper:
         try:
             try:
                 summary = (await self._fetch(FIRE_DUE, (batch, self._turn)))[0]
-            except psycopg.errors.UniqueViolation:
+            except (psycopg.errors.UniqueViolation, psycopg.errors.LockNotAvailable):
+                # a duplicate, or a frame that waited 50 ms on its own tenant's transaction:
+                # the redo path answers the one and fires tenant by tenant for the other
                 summary = (await self._fetch(FIRE_DUE_REDO, (batch, self._turn)))[0]
             self._turn = summary["turn"]
             fast = self.metrics.observe_fires(summary)
@@ -270,6 +274,7 @@ class Sweeper:
         self._turn = rows[0]["turn"]
         full = len(rows) >= batch or sum(len(r["payload"]) for r in rows) >= max_bytes
         claim_id = rows[0]["claim_id"]
+        blocked: set[str] = set()
         chunk: list[tuple[dict, tuple]] = []
         held = 0
         for i, row in enumerate(rows):
@@ -281,7 +286,7 @@ class Sweeper:
                 continue
             item = ({k: row[k] for k in FAIL_KEYS}, frame)  # not the stored payload
             if isolate:  # isolating a failed fast batch: every row on its own
-                await self._fire_frames_one_by_one(claim_id, [item])
+                await self._fire_frames_one_by_one(claim_id, [item], blocked)
                 continue
             chunk.append(item)
             held += len(frame[3]) if frame[3] is not None else 0
@@ -304,13 +309,24 @@ class Sweeper:
                         self.settings.broker_id, len(chunk), _error_text(exc))
         await self._fire_frames_one_by_one(claim_id, chunk)
 
-    async def _fire_frames_one_by_one(self, claim_id, frames: list[tuple[dict, tuple]]) -> None:
+    async def _fire_frames_one_by_one(self, claim_id, frames: list[tuple[dict, tuple]],
+                                      blocked: set[str] | None = None) -> None:
+        """Each frame in its own fire_timers call; a failure is that row's (backoff or DLQ).
+        `blocked`: tenants whose frame waited past fire_timers' lock_timeout in this pass
+        (their own transaction holds what the frame needs); their other rows back off at
+        once instead of each waiting 50 ms again."""
+        blocked = set() if blocked is None else blocked
         for row, frame in frames:
+            if row["tenant"] in blocked:
+                await self._fail(row, "transient", BLOCKED_ERROR)
+                continue
             try:
                 summary = await self._fire(claim_id, [frame])
             except Exception as exc:
                 if _lost_primary(self._conn, exc):
                     raise
+                if isinstance(exc, psycopg.errors.LockNotAvailable):
+                    blocked.add(row["tenant"])
                 await self._fail(row, classify_failure(exc), _error_text(exc))
                 continue
             self.metrics.observe_fires(summary)

@@ -32,4 +32,5 @@ INSERT INTO queen.schema_migrations (version, name) VALUES
     (27, 'consumer_plans'),
     (28, 'required_leases'),
     (29, 'extend_lease_index'),
-    (30, 'pending_decrement');
+    (30, 'pending_decrement'),
+    (31, 'fire_lock_timeout');
