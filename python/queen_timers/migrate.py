@@ -159,6 +159,12 @@ def migrate(conninfo: str, directory: Path | None = None, progress=None, found=N
             checksum = hashlib.sha256(text.encode()).hexdigest()
             with conn.transaction():
                 conn.execute("SELECT pg_advisory_xact_lock(%s)", (LOCK_KEY,))
+                # A wait on an advisory lock leaves the session's catalog cache as it was
+                # before: a broker that waited while another applied 001 still saw no
+                # queen.schema_migrations, ran 001 again and exited on "already exists"
+                # (Dec 7 audit). Taking a relation lock makes the session read the catalog
+                # changes committed meanwhile (AcceptInvalidationMessages).
+                conn.execute("LOCK TABLE pg_catalog.pg_namespace IN ACCESS SHARE MODE")
                 applied = _applied(conn)
                 if version in applied:
                     if applied[version] not in (None, checksum):

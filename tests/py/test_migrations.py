@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import subprocess
+import time
 
 import psycopg
 import pytest
@@ -103,3 +104,42 @@ def test_upgrade_from_007_keeps_every_cursor_and_frame(admin_dsn, tmp_path):
         assert [r[0] for r in c.execute(pop, ("h", 10, True)).fetchall()] == ["b1"]
         assert [r[0] for r in c.execute(pop, ("fresh", 10, True)).fetchall()] == \
             ["a1", "a2", "a3", "a4", "a5", "a6", "b1"]
+
+
+def test_brokers_starting_together_on_a_fresh_database_both_start(admin_dsn):
+    # Two brokers on an empty database: the second waits on the migrations' lock while
+    # the first applies 001. Its catalog cache said, before the wait, that there is no
+    # queen.schema_migrations, and waiting on an advisory lock does not refresh it: it ran
+    # 001 again and exited on "schema already exists" (4 of 9 tries in the Dec 7 audit).
+    import threading
+
+    from queen_timers.migrate import LOCK_KEY
+    url = create_database(admin_dsn, "queen_mig_race", schema=False)
+    first = available()[0]
+    holder = psycopg.connect(url)
+    holder.execute("SELECT pg_advisory_xact_lock(%s)", (LOCK_KEY,))
+    holder.execute(first[2].read_text())
+    out: dict = {}
+
+    def second():
+        try:
+            out["applied"] = migrate(url)
+        except Exception as exc:  # noqa: BLE001 - the test reports it
+            out["error"] = exc
+
+    t = threading.Thread(target=second)
+    t.start()
+    with psycopg.connect(url, autocommit=True) as watch:  # until the second waits on the lock
+        for _ in range(200):
+            if watch.execute("SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted"
+                             ).fetchone()[0]:
+                break
+            time.sleep(0.02)
+    from queen_timers.migrate import _checksum
+    holder.execute("INSERT INTO queen.schema_migrations (version, name, checksum) VALUES (%s, %s, %s)",
+                   (first[0], first[1], _checksum(first[2])))
+    holder.commit()
+    holder.close()
+    t.join(60)
+    assert "error" not in out, out
+    assert out["applied"] == [v for v, _, _ in available()][1:]
