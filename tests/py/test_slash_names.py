@@ -224,3 +224,16 @@ def test_a_slash_name_is_read_in_the_callers_tenant_only(jwt_client, db):
     r = c.delete(f"/api/v1/timers/{enc('/a')}/{enc('k/1')}", headers=A)
     assert r.status_code == 200 and r.json()["status"] == "cancelled", r.text
     assert db.execute("SELECT count(*) AS n FROM queen.timers").fetchone()["n"] == 0
+
+
+def test_a_key_with_a_dot_segment_is_reached_with_its_dots_percent_encoded(client, db):
+    # httpx (so the queen-mq client) removes `..` from a URL before sending it: the raw form
+    # reaches the timer `x`, the documented encoded form reaches `user/../x` (docs/http-timers.md)
+    for key in ("x", "user/../x"):
+        assert post(client, op("schedule", key, queue="dots")).status_code == 200
+    assert client.get("/api/v1/timers/dots/user/%2E%2E/x").json()["timerKey"] == "user/../x"
+    r = client.delete("/api/v1/timers/dots/user/../x")  # what the client sends is /dots/x
+    assert r.json()["timerKey"] == "x" and r.json()["status"] == "cancelled", r.text
+    r = client.delete("/api/v1/timers/dots/user/%2E%2E/x")
+    assert r.json()["timerKey"] == "user/../x" and r.json()["status"] == "cancelled", r.text
+    assert db.execute("SELECT count(*) AS n FROM queen.timers WHERE queue = 'dots'").fetchone()["n"] == 0
