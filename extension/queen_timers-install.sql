@@ -1715,7 +1715,7 @@ CREATE FUNCTION queen.fire_timers(
     p_frames   queen.fire_frame[],
     p_now      timestamptz DEFAULT NULL)
 RETURNS SETOF queen.fire_result
-LANGUAGE plpgsql SET plan_cache_mode = force_custom_plan AS $$
+LANGUAGE plpgsql SET plan_cache_mode = force_custom_plan SET lock_timeout = '50ms' AS $$
 DECLARE
     v_now  timestamptz := coalesce(p_now, now());
     v_rows queen.timers[];
@@ -2000,7 +2000,7 @@ CREATE FUNCTION queen.fire_due_batch(
     p_fair_after_ms  integer DEFAULT 100,
     p_redo           boolean DEFAULT false)
 RETURNS queen.fire_result[]
-LANGUAGE plpgsql AS $$
+LANGUAGE plpgsql SET lock_timeout = '50ms' AS $$
 DECLARE
     v_now     timestamptz := coalesce(p_now, now());
     v_out     queen.fire_result[];
@@ -2027,6 +2027,41 @@ BEGIN
 END
 $$;
 
+-- The fire's waits on other transactions are bounded: a frame can only wait
+-- on a transaction of its own tenant (a queue or partition it is creating, a
+-- message of the same txn it is pushing), since names are per tenant, but one
+-- batch holds many tenants' frames. A push of 10,000 items that created the
+-- queue a due timer fires into held every tenant's fire for 1-2 s at a time
+-- (Dec 7 audit). So the fire functions wait at most 50 ms for a lock
+-- (lock_not_available, 55P03), and queen.fire_due_timers then fires the due
+-- rows tenant by tenant, each in a subtransaction: a tenant that still
+-- waits is left for the next cycle, its rows untouched; the others fire.
+-- At most p_limit rows in all, from the tenants queen.find_due_tenants gives
+-- (in turn), answering 'duplicate' as the redo does. Internal to
+-- queen.fire_due_timers.
+CREATE FUNCTION queen.fire_due_apart(p_limit integer, p_now timestamptz)
+RETURNS SETOF queen.fire_result
+LANGUAGE plpgsql SET lock_timeout = '50ms' AS $$
+DECLARE
+    v_left   integer := greatest(p_limit, 0);
+    v_tenant text;
+    v_got    queen.fire_result[];
+BEGIN
+    FOREACH v_tenant IN ARRAY coalesce(queen.find_due_tenants(p_now, greatest(p_limit, 1)), '{}') LOOP
+        EXIT WHEN v_left <= 0;
+        BEGIN
+            v_got := queen.fire_due_rows(v_left, p_now, ARRAY[v_tenant], v_left, p_redo => true);
+        EXCEPTION WHEN lock_not_available THEN
+            CONTINUE;  -- its own transaction holds what its frames need: the next cycle tries again
+        END;
+        IF v_got IS NOT NULL THEN
+            v_left := v_left - cardinality(v_got);
+            RETURN QUERY SELECT * FROM unnest(v_got);
+        END IF;
+    END LOOP;
+END
+$$;
+
 -- Claim and fire in one transaction: the row lock is the claim, so no
 -- lease is needed and a broker dying mid-call loses nothing (the
 -- transaction rolls back). Used for every due timer whose frame needs
@@ -2039,9 +2074,11 @@ $$;
 -- queen.fire_due_rows. A txn already in its partition raises
 -- unique_violation there. With p_redo_duplicates (the default) the batch
 -- runs in a subtransaction and is redone (in expiry order) through
--- append_timer_frames, which answers 'duplicate'. The sweeper passes false: no subtransaction
--- on its common path; a duplicate fails its call (which rolls back whole)
--- and it calls again with true.
+-- append_timer_frames, which answers 'duplicate'; a lock waited for past
+-- 50 ms (lock_not_available) fires the due rows tenant by tenant instead
+-- (queen.fire_due_apart). The sweeper passes false: no subtransaction
+-- on its common path; a duplicate or a lock timeout fails its call (which
+-- rolls back whole) and it calls again with true.
 CREATE FUNCTION queen.fire_due_timers(
     p_limit integer     DEFAULT 100,
     p_now   timestamptz DEFAULT NULL,
@@ -2065,10 +2102,21 @@ BEGIN
     ELSE
         BEGIN
             v_out := queen.fire_due_batch(p_limit, v_now, p_fair_after_ms);
-        EXCEPTION WHEN unique_violation THEN
-            -- the batch again (shares included), with the 'duplicate' answers
-            RETURN QUERY SELECT * FROM unnest(queen.fire_due_batch(p_limit, v_now, p_fair_after_ms, p_redo => true));
-            RETURN;
+        EXCEPTION
+            WHEN unique_violation THEN
+                -- the batch again (shares included), with the 'duplicate' answers
+                BEGIN
+                    v_out := queen.fire_due_batch(p_limit, v_now, p_fair_after_ms, p_redo => true);
+                EXCEPTION WHEN lock_not_available THEN
+                    RETURN QUERY SELECT * FROM queen.fire_due_apart(p_limit, v_now);
+                    RETURN;
+                END;
+                RETURN QUERY SELECT * FROM unnest(v_out);
+                RETURN;
+            WHEN lock_not_available THEN
+                -- a frame waited past 50 ms on its own tenant's transaction: tenant by tenant
+                RETURN QUERY SELECT * FROM queen.fire_due_apart(p_limit, v_now);
+                RETURN;
         END;
     END IF;
     IF v_out IS NULL THEN
@@ -3610,5 +3658,6 @@ INSERT INTO queen.schema_migrations (version, name) VALUES
     (27, 'consumer_plans'),
     (28, 'required_leases'),
     (29, 'extend_lease_index'),
-    (30, 'pending_decrement');
+    (30, 'pending_decrement'),
+    (31, 'fire_lock_timeout');
 COMMIT;
