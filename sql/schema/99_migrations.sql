@@ -33,4 +33,5 @@ INSERT INTO queen.schema_migrations (version, name) VALUES
     (28, 'required_leases'),
     (29, 'extend_lease_index'),
     (30, 'pending_decrement'),
-    (31, 'fire_lock_timeout');
+    (31, 'fire_lock_timeout'),
+    (32, 'dlq_tenant');
