@@ -2750,7 +2750,12 @@ $$;
 -- dead-letters at once; retry only releases the lease. A message at or
 -- behind the cursor is already consumed: acking it again changes nothing.
 -- A partition of another tenant's queue holds no message for this one:
--- 'Message not found', and nothing is written.
+-- 'Message not found', and nothing is written. A failed or retry item whose
+-- lease an earlier item of the same call released (a batch nacked as a list:
+-- queen-mq's ack(messages, False)) succeeds and changes nothing more: the
+-- batch comes back whole, one retry spent (migration 033). A completed or
+-- dlq item after that release is refused ('Invalid or expired lease'): the
+-- cursor cannot pass the failed message, so the batch comes back with it.
 -- Each item is one lookup of the unique (partition_id, transaction_id), a
 -- subquery with LIMIT and no seq or bitmap scan: with the statistics of an
 -- empty table, a join hashed every frame of the partition, and a bitmap
@@ -2772,6 +2777,7 @@ DECLARE
     v_limit  integer;
     v_acked  integer;
     v_done   boolean;
+    v_released text[] := '{}';  -- partition/group/lease released by a failed or retry item of this call
 BEGIN
     IF p_acks IS NULL OR cardinality(p_acks) = 0 THEN
         RETURN;
@@ -2827,6 +2833,14 @@ BEGIN
 
         IF a.lease_id IS NOT NULL
            AND NOT coalesce(pc.lease_id::text = lower(a.lease_id) AND pc.lease_expires_at > v_now, false) THEN
+            IF a.status IN ('failed', 'retry')
+               AND concat_ws('/', a.partition_id, a.grp, lower(a.lease_id)) = ANY (v_released) THEN
+                -- an earlier item of this call released that lease: the batch comes back
+                -- whole, this item with it (a client's nack of a batch as a list)
+                r.success := true;
+                v_out := v_out || r;
+                CONTINUE;
+            END IF;
             r.error := 'Invalid or expired lease';
             v_out := v_out || r;
             CONTINUE;
@@ -2836,6 +2850,7 @@ BEGIN
 
         IF v_status = 'retry' THEN
             r.lease_released := pc.lease_id IS NOT NULL;
+            v_released := v_released || concat_ws('/', a.partition_id, a.grp, pc.lease_id);
             UPDATE queen.partition_consumers
                SET lease_id = NULL, lease_expires_at = NULL, batch_size = 0, acked_count = 0,
                    batch_last_xid = NULL, batch_last_seq = NULL, updated_at = v_now
@@ -2846,6 +2861,7 @@ BEGIN
             -- one retry per delivered batch: a second failed ack of the same batch finds no lease
             IF pc.lease_id IS NOT NULL THEN
                 r.lease_released := true;
+                v_released := v_released || concat_ws('/', a.partition_id, a.grp, pc.lease_id);
                 UPDATE queen.partition_consumers
                    SET lease_id = NULL, lease_expires_at = NULL, batch_size = 0, acked_count = 0,
                        batch_last_xid = NULL, batch_last_seq = NULL, batch_retry_count = batch_retry_count + 1,
@@ -3703,5 +3719,6 @@ INSERT INTO queen.schema_migrations (version, name) VALUES
     (29, 'extend_lease_index'),
     (30, 'pending_decrement'),
     (31, 'fire_lock_timeout'),
-    (32, 'dlq_tenant');
+    (32, 'dlq_tenant'),
+    (33, 'ack_batch_nack');
 COMMIT;

@@ -34,4 +34,5 @@ INSERT INTO queen.schema_migrations (version, name) VALUES
     (29, 'extend_lease_index'),
     (30, 'pending_decrement'),
     (31, 'fire_lock_timeout'),
-    (32, 'dlq_tenant');
+    (32, 'dlq_tenant'),
+    (33, 'ack_batch_nack');

@@ -102,6 +102,36 @@ def test_configure_push_pop_ack_round_trip(client, db):
     assert detail["queuePath"] == "orders/Default" and detail["mode"]["type"] == "queue"
 
 
+def test_a_batch_nacked_with_its_lease_on_every_item_is_one_retry(client, db):
+    # Every item of /api/v1/ack/batch carries the batch's lease. The first failed item releases
+    # it; before migration 033 every later one was answered "Invalid or expired lease" (the
+    # batch still came back). Now they succeed and change nothing more: one retry spent.
+    # A completed item after that release is still refused: the cursor cannot pass the failed
+    # message, so the batch comes back whole, that message with it.
+    configure(client, "nack", retryLimit=3)
+    push(client, *({"queue": "nack", "payload": i, "transactionId": f"n{i}"} for i in range(3)))
+
+    def ack(msgs, statuses):
+        r = client.post("/api/v1/ack/batch", json={"acknowledgments": [
+            {"transactionId": m["transactionId"], "partitionId": m["partitionId"], "status": st,
+             "leaseId": m["leaseId"]} for m, st in zip(msgs, statuses)]})
+        assert r.status_code == 200, r.text
+        return [(x["success"], x["error"], x["leaseReleased"]) for x in r.json()]
+
+    msgs = pop(client, "nack", batch=3)["messages"]
+    assert ack(msgs, ["failed"] * 3) == [(True, None, True), (True, None, False), (True, None, False)]
+    retries = db.execute("SELECT batch_retry_count AS n FROM queen.partition_consumers").fetchone()["n"]
+    assert retries == 1
+    msgs = pop(client, "nack", batch=3)["messages"]
+    assert [m["transactionId"] for m in msgs] == ["n0", "n1", "n2"]
+    assert ack(msgs, ["completed", "failed", "completed"]) == [
+        (True, None, False), (True, None, True), (False, "Invalid or expired lease", False)]
+    msgs = pop(client, "nack", batch=3)["messages"]
+    assert [m["transactionId"] for m in msgs] == ["n1", "n2"]
+    assert ack(msgs, ["completed", "completed"]) == [(True, None, False), (True, None, True)]
+    assert pop(client, "nack") is None
+
+
 def test_push_duplicate_transaction_id_is_per_partition(client, db):
     first = push(client, {"queue": "dup", "payload": 1, "transactionId": "x"})
     again = push(client, {"queue": "dup", "payload": 2, "transactionId": "x"},

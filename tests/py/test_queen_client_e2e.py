@@ -10,6 +10,7 @@ transaction, dlq, timers, consume, admin); nothing is sent by hand. The README's
     POST /api/v1/push                 client.queue(q).push([...])
     GET  /api/v1/pop/queue/:q         client.queue(q).pop(), .consume(handler)
     POST /api/v1/ack                  client.ack(msg, True | False)
+    POST /api/v1/ack/batch            client.ack([msgs], True | False)
     GET  /api/v1/dlq                  client.queue(q).dlq().get()
     GET  /api/v1/messages/:pid/:txn   client.admin.get_message(...)
     POST /api/v1/transaction          client.transaction()...commit()
@@ -139,6 +140,31 @@ def test_configure_push_pop_ack_and_failed_ack_to_dlq(target):
         assert (await client.admin.get_message(second["partitionId"], "order-2"))["status"] == "dead_letter"
         # nothing left to deliver: the failed message went to the DLQ, not back to the queue
         assert await client.queue("orders").batch(1).wait(False).pop() == []
+
+    drive(target, scenario)
+
+
+def test_a_batch_nacked_then_acked_as_a_list(target):
+    # client.ack(list, ...) is POST /api/v1/ack/batch with the batch's lease on every item.
+    # A nack of the whole batch is one retry: every item succeeds and the batch comes back
+    # whole (before migration 033 the first item released the lease and the others were
+    # refused, so the client reported the nack as failed; Dec 7 audit). Then the batch
+    # acked as a list: the cursor passes it, nothing comes back.
+    async def scenario(client):
+        await _configure(client, "batches", retry_limit=3, lease_time=60)
+        await client.queue("batches").push([{"data": {"n": i}, "transactionId": f"b-{i}"} for i in range(3)])
+        first = await client.queue("batches").batch(3).wait(True).timeout_millis(5000).pop()
+        assert [m["transactionId"] for m in first] == ["b-0", "b-1", "b-2"]
+        nacked = await client.ack(first, False, {"error": "handler raised"})
+        assert nacked["success"] is True, nacked
+        again = await client.queue("batches").batch(3).wait(True).timeout_millis(5000).pop()
+        assert [m["transactionId"] for m in again] == ["b-0", "b-1", "b-2"]
+        assert again[0]["leaseId"] != first[0]["leaseId"]
+        acked = await client.ack(again, True)
+        assert acked["success"] is True, acked
+        assert await client.queue("batches").batch(3).wait(False).pop() == []
+        detail = await client.admin.get_message(again[2]["partitionId"], "b-2")
+        assert detail["status"] == "completed" and (await client.queue("batches").dlq().get())["total"] == 0
 
     drive(target, scenario)
 
