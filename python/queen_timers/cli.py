@@ -207,6 +207,34 @@ def _from_database_error(exc: Exception) -> CliError | None:
 # serve
 # ---------------------------------------------------------------------------
 
+def _check_request_connection(settings: Settings) -> None:
+    """One connection made as the request pool makes them, before serving. The migrations
+    connect without startup options; the pool sends the statement timeout as one (`options`),
+    which a transaction pooler refuses: behind pgbouncer without QUEEN_POOL_MODE=transaction
+    the broker started and answered 503 to every request, the cause only in its log (Dec 7
+    audit). Now it does not start, and says what to set."""
+    import psycopg
+
+    from .db import connect_kwargs, conninfo
+    kwargs = connect_kwargs(settings, "queen-timers-start-check")
+    if "options" not in kwargs:
+        return
+    try:
+        psycopg.connect(conninfo(settings.database_url, settings), **kwargs).close()
+    except psycopg.Error as exc:
+        text = str(exc).strip()
+        if "unsupported startup parameter" in text:
+            raise CliError("bad_configuration",
+                           f"{_redact(settings.database_url)} refused the startup parameter `options` ({text}): "
+                           "it is a transaction pooler (pgbouncer); set QUEEN_POOL_MODE=transaction "
+                           "(docs/pgbouncer.md)") from None
+        mapped = _from_database_error(exc)
+        if mapped is None:
+            raise
+        mapped.detail = f"{_redact(settings.database_url)}: {mapped.detail}"
+        raise mapped from None
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -242,6 +270,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise mapped from None
     if applied:
         logging.getLogger("queen_timers").info("applied migrations %s", applied)
+    _check_request_connection(settings)
     settings = fit_open_files(settings)  # QUEEN_MAX_CONNECTIONS within RLIMIT_NOFILE
     # httptools (llhttp, C) and uvloop: the request path's parsing and event loop in C
     # (bench/history/2026-12-03-cancel-issue-12.md); server.py keeps the JSON 400 and the 16 KiB head limit

@@ -224,6 +224,19 @@ def test_the_cli_works_through_pgbouncer(bouncer, db, tmp_path):
     assert db.execute("SELECT count(*) AS n FROM queen.timers WHERE queue = 'cli'").fetchone()["n"] == 12
 
 
+def test_a_broker_behind_pgbouncer_without_the_transaction_mode_does_not_start(bouncer, db):
+    # The migrations connect without startup options and passed; the request pool sends the
+    # statement timeout as one, which pgbouncer refuses: the broker started and answered 503
+    # to every request (Dec 7 audit). Now it exits at once and names the setting.
+    port, _ = bouncer
+    env = {**os.environ, "QUEEN_DATABASE_URL": via(port), "QUEEN_PORT": "1"}
+    env.pop("QUEEN_POOL_MODE", None)
+    proc = subprocess.run([sys.executable, "-m", "queen_timers", "serve"], env=env, capture_output=True,
+                          text=True, cwd=ROOT, timeout=60)
+    assert proc.returncode != 0
+    assert "QUEEN_POOL_MODE=transaction" in proc.stderr and "bad_configuration" in proc.stderr, proc.stderr
+
+
 LISTENERS = "SELECT count(*) AS n FROM pg_stat_activity WHERE query = 'LISTEN queen_timers'"
 
 
