@@ -21,7 +21,7 @@ from .bodies import BodyBudget, BodyBudgetRelease, release_body, tune_malloc
 from .config import Settings
 from .convertors import RawRoute, raw_route_path
 from .db import make_pool
-from .errors import ApiError, from_exception
+from .errors import STOPPED_BODY, STOPPED_HEADERS, ApiError, from_exception
 from .retention import Retention
 from .server import json_headers
 from .sweeper import Sweeper
@@ -47,6 +47,13 @@ def internal_error_response() -> JSONResponse:
     return JSONResponse({"error": "internal_error",
                          "detail": "the broker met an unexpected error; its log has the details"},
                         status_code=500)
+
+
+def cancelled_response() -> Response:
+    """The answer of a request a stop cancelled in its database call (errors.STOPPED_BODY)."""
+    response = Response(STOPPED_BODY, status_code=503)
+    response.raw_headers = list(STOPPED_HEADERS)
+    return response
 
 
 HTTP_SLUGS = {404: "not_found", 405: "method_not_allowed"}
@@ -104,6 +111,14 @@ class UnexpectedErrors:
 
         try:
             await self.app(scope, receive, tracking_send)
+        except asyncio.CancelledError:
+            # uvicorn cancels what is still running STOP_GRACE_S past the stop's timeout: a
+            # request whose database never answered (a hung server; Dec 7 audit). It answered
+            # uvicorn's plain 500; the outcome is unknown, as for a 503 in a failover.
+            if not started:
+                with contextlib.suppress(Exception):
+                    await cancelled_response()(scope, receive, send)
+            raise
         except Exception:
             if started:  # too late for a response of our own
                 raise
@@ -215,7 +230,12 @@ class HotRoutes:
 
     async def serve(self, app: Starlette, hit, scope, receive, send) -> None:
         try:
-            response = await self.respond(app, hit, scope, receive, send)
+            try:
+                response = await self.respond(app, hit, scope, receive, send)
+            except asyncio.CancelledError:  # a stop, its database call unanswered (UnexpectedErrors)
+                with contextlib.suppress(Exception):
+                    await cancelled_response()(scope, receive, send)
+                raise
             await response(scope, receive, send)
         finally:
             release_body(scope)

@@ -42,6 +42,16 @@ TRANSIENT_CLASSES = {"08", "53", "57"}
 _RETRY = re.compile(r"retry_after_seconds=(\d+)")
 
 
+# A request still waiting on the database when a stop cancels it (uvicorn cancels what is
+# left STOP_GRACE_S past QUEEN_SHUTDOWN_TIMEOUT_MS: a hung server). Its outcome is unknown,
+# as for a 503 in a failover; it answered uvicorn's plain 500, or nothing on the direct lane
+# (Dec 7 audit). The body and headers, for every path that answers it.
+STOPPED_BODY = (b'{"error":"timers_unavailable","detail":"the broker stopped before the database answered; '
+                b'the outcome is unknown: retry (every write is idempotent by its key) on another broker"}')
+STOPPED_HEADERS = [(b"content-type", b"application/json"), (b"content-length", str(len(STOPPED_BODY)).encode()),
+                   (b"retry-after", b"1"), (b"connection", b"close")]
+
+
 class ApiError(Exception):
     """An HTTP error in the documented shape: {"error": slug, "detail": text}."""
 

@@ -56,6 +56,7 @@ from . import db
 from .bodies import PROTOCOL_KEY, release_body
 from .config import MAX_HEAD_BYTES, tenant_share
 from .convertors import RAW_PATH_KEY
+from .errors import STOPPED_BODY, STOPPED_HEADERS
 
 # header fields in one request head: 3,000 empty ones fit in 16 KiB and cost 2-3 ms of CPU
 # for a 401 (every layer walks the list); Node.js stops at 2,000, a client sends about 10
@@ -294,6 +295,8 @@ class DirectWait:
             return False
         self._end()
         self.started.abandon()  # a statement in flight: the connection is closed, never pooled
+        if not self.cycle.response_complete:  # its database never answered (errors.STOPPED_BODY)
+            self.proto._write_direct(self.cycle, 503, STOPPED_HEADERS, STOPPED_BODY)
         release_body(self.scope)
         self.proto.loop.call_soon(self.proto.tasks.discard, self)
         return True
@@ -727,6 +730,10 @@ class JsonErrorHttpToolsProtocol(HttpToolsProtocol):
                 response = await hot.respond(self.app, hit, scope, _no_body)
                 status, headers, body = response.status_code, response.raw_headers, response.body
             self._write_direct(cycle, status, headers, body)
+        except asyncio.CancelledError:  # a stop, its database call unanswered (errors.STOPPED_BODY)
+            if not cycle.response_complete:
+                self._write_direct(cycle, 503, STOPPED_HEADERS, STOPPED_BODY)
+            raise
         finally:
             release_body(scope)
 

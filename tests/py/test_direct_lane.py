@@ -305,7 +305,8 @@ def test_a_delete_waits_for_its_row_without_a_task_and_leaves_the_rest_to_one(da
     """server.DirectWait: the lane's DELETE waits for its result on the database socket's
     reader callback. A row ends it there (the 200 written, the connection and the slot
     given back, no task made); an error goes on in _serve_direct's task with the result
-    already read; a stop that cancels it gives back the slot and closes the connection."""
+    already read; a stop that cancels it answers the 503 of an unknown outcome, gives back the
+    slot and closes the connection."""
     from queen_timers import db as qdb
     from queen_timers.routes_timers import CancelStart, cancel_body
     from queen_timers.server import DirectCycle, DirectWait
@@ -358,5 +359,8 @@ def test_a_delete_waits_for_its_row_without_a_task_and_leaves_the_rest_to_one(da
     headers = [(b"content-length", b"%d" % len(answer)), (b"content-type", b"application/json")]
     assert out["row"] == (True, set(), 0, [(200, headers, answer)], [], False, False)
     assert out["error"][:6] == (True, set(), 1, [], [True], True)  # the task's now, the slot still held
-    assert out["cancel"] == (True, set(), 0, [], [], False, True)  # closed, never pooled
+    # a stop's cancel: the JSON 503 of an unknown outcome written (errors.STOPPED_BODY), the
+    # connection closed, never pooled
+    from queen_timers.errors import STOPPED_BODY, STOPPED_HEADERS
+    assert out["cancel"] == (True, set(), 0, [(503, STOPPED_HEADERS, STOPPED_BODY)], [], False, True)
     assert out["pool"] == (1, {})

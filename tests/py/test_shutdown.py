@@ -120,3 +120,34 @@ def test_a_client_that_does_not_take_its_answer_is_reset_at_the_shutdown_timeout
     finally:
         sock.close()
     assert "Traceback" not in b.log_path.read_text()
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_a_request_whose_database_never_answers_gets_a_json_503_when_the_stop_cancels_it(
+        spawn_broker, db, database_url, chunked):
+    """A database that holds a request past QUEEN_SHUTDOWN_TIMEOUT_MS + 6 s (a hung server;
+    here a row lock and no statement timeout): uvicorn cancels it, and the client gets a JSON
+    503 saying the outcome is unknown, not uvicorn's plain 500 (Dec 7 audit)."""
+    from test_direct_lane import Responses, delete, held
+    b = spawn_broker(QUEEN_SHUTDOWN_TIMEOUT_MS="300", QUEEN_STATEMENT_TIMEOUT_MS="0")
+    with b.client() as c:
+        assert c.post("/api/v1/timers", json={"operations": [
+            {"op": "schedule", "queue": "reminders", "timerKey": "hung", "delayMs": 3600000, "txn": "hung",
+             "payload": "e30="}]}).status_code == 200
+    answer: list = []
+    sock = socket.create_connection(("127.0.0.1", b.port), timeout=30)
+    try:
+        with held(database_url, db, "hung") as wait_for_delete:
+            sock.sendall(delete("/api/v1/timers/reminders/hung", chunked=chunked))
+            reader = threading.Thread(target=lambda: answer.append(Responses(sock).next()))
+            reader.start()
+            wait_for_delete()
+            b.proc.send_signal(signal.SIGTERM)
+            reader.join(20)  # the lock is held all along: only the stop's cancel ends the wait
+            assert answer, "no answer within 20 s"
+        status, headers, body = answer[0]
+        assert status == 503 and headers["content-type"].startswith("application/json"), answer
+        assert body["error"] == "timers_unavailable" and "outcome is unknown" in body["detail"], body
+    finally:
+        sock.close()
+    assert b.proc.wait(timeout=30) is not None
