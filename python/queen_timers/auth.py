@@ -36,6 +36,7 @@ from . import turns
 from .bodies import TENANT_KEY, RequestSlots
 from .config import Settings
 from .errors import ApiError, text_problem
+from .limits import MAX_TENANT_BYTES
 
 READ_ONLY = "read-only"
 WRITE_ONLY = "write-only"
@@ -175,6 +176,12 @@ class Authenticator:
             problem = text_problem(value)
             if problem:
                 raise ApiError(401, "unauthorized", f"the token's {name} claim {problem}")
+        # the tenant is a key of every table (timers_pkey, ...): past about 2,700 bytes its
+        # writes failed with a 54000 (Dec 7 audit); a name, bounded as the others are
+        size = len(claims["tenant"].encode("utf-8"))
+        if size > MAX_TENANT_BYTES:
+            raise ApiError(401, "unauthorized",
+                           f"the token's tenant claim is {size} bytes of UTF-8; at most {MAX_TENANT_BYTES}")
         role = claims["role"]
         if role not in GRANTS:
             raise ApiError(401, "unauthorized",

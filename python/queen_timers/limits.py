@@ -12,6 +12,7 @@ from __future__ import annotations
 from .errors import bad_request, check_text
 
 MAX_QUEUE_BYTES = 255
+MAX_TENANT_BYTES = 255  # a JWT's tenant claim (auth.py)
 MAX_TIMER_KEY_BYTES = 1024
 MAX_TXN_BYTES = 255
 MAX_PARTITION_BYTES = 255

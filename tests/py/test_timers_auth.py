@@ -372,3 +372,14 @@ def test_a_token_the_public_key_did_not_sign_never_reaches_pyjwt(monkeypatch, ki
     for _ in range(3):
         assert check(good) == auth.Principal(tenant="globex", sub="billing-service", role="read-only")
     assert decoded == [1]
+
+
+def test_a_tenant_claim_over_255_bytes_is_401_and_one_at_255_is_served(jwt_client, db):
+    # the tenant is a key of every table: a ~1,900-byte tenant's writes failed with a 54000
+    # (index row too big; Dec 7 audit). 255 bytes of UTF-8, as every other name.
+    assert_refused_401(jwt_client, db, bearer(tenant="é" * 128), "at most 255")  # 256 bytes
+    at_limit = "t" * 255
+    r = jwt_client.post("/api/v1/timers", json={"operations": [op("schedule", "k")]},
+                        headers=bearer(tenant=at_limit))
+    assert r.status_code == 200, r.text
+    assert db.execute("SELECT tenant FROM queen.timers").fetchone()["tenant"] == at_limit
