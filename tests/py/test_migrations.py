@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import time
 
@@ -13,12 +14,19 @@ from queen_timers.db import SQL_DIR
 from queen_timers.migrate import MigrationError, available, migrate
 
 
-def dump(url: str) -> str:
-    out = subprocess.run(["pg_dump", "--schema-only", "--no-owner", "--schema=queen", url],
+# pg_dump's own comment lines and per-run \restrict keys; a function body's own `--` lines
+# stay (the Dec 7 audit found the filter dropped every line starting with `--`)
+DUMP_NOISE = re.compile(r"^(--$|-- (Name|Data for Name|TOC entry|Dumped (from|by)|PostgreSQL database dump)\b"
+                        r"|\\(un)?restrict )")
+STAMP = re.compile(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d(\.\d+)?\+00")
+
+
+def dump(url: str, *what: str) -> str:
+    out = subprocess.run(["pg_dump", *(what or ("--schema-only",)), "--no-owner", "--schema=queen", url],
                          check=True, capture_output=True, text=True)
-    # comments and pg_dump's per-run \restrict keys are not schema
-    return "\n".join(line for line in out.stdout.splitlines()
-                     if not line.startswith(("--", "\\restrict", "\\unrestrict")))
+    text = "\n".join(line for line in out.stdout.splitlines() if not DUMP_NOISE.match(line))
+    # a seeded row's time of creation (cell_settings.updated_at) is not part of the seed
+    return STAMP.sub("<now>", text) if "--data-only" in what else text
 
 
 def versions(url: str) -> list[tuple[int, str]]:
@@ -44,6 +52,25 @@ def test_schema_equals_migrations(admin_dsn):
     assert applied == [v for v, _, _ in available()]
     assert dump(from_schema) == dump(from_migrations)
     assert versions(from_schema) == versions(from_migrations)
+    # the rows the schema seeds (cell settings, plans, ...): the same too
+    data = ("--data-only", "--exclude-table=queen.schema_migrations")
+    assert dump(from_schema, *data) == dump(from_migrations, *data)
+    assert "COPY queen.cell_settings" in dump(from_schema, *data)
+
+
+def test_the_schema_comparison_sees_a_body_comment_and_a_seeded_row(admin_dsn):
+    """What test_schema_equals_migrations compares can tell these apart (it once could not)."""
+    a = create_database(admin_dsn, "queen_cmp_a")
+    b = create_database(admin_dsn, "queen_cmp_b")
+    with psycopg.connect(b, autocommit=True) as conn:
+        conn.execute("CREATE FUNCTION queen.cmp_probe() RETURNS int LANGUAGE sql AS $f$\n-- one\nSELECT 1\n$f$")
+    with psycopg.connect(a, autocommit=True) as conn:
+        conn.execute("CREATE FUNCTION queen.cmp_probe() RETURNS int LANGUAGE sql AS $f$\n-- two\nSELECT 1\n$f$")
+    assert dump(a) != dump(b)
+    with psycopg.connect(b, autocommit=True) as conn:
+        conn.execute("UPDATE queen.cell_settings SET fire_paused = NOT fire_paused")
+    data = ("--data-only", "--exclude-table=queen.schema_migrations")
+    assert dump(a, *data) != dump(b, *data)
 
 
 def test_migrate_is_idempotent_and_refuses_unknown_versions(admin_dsn):
