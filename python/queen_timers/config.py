@@ -28,7 +28,7 @@ MAX_SLEEP_CAP_MS = 60_000
 MAX_HEAD_BYTES = 16 * 1024
 
 
-def _int(env: dict[str, str], name: str, default: int, minimum: int = 0) -> int:
+def _int(env: dict[str, str], name: str, default: int, minimum: int = 0, maximum: int | None = None) -> int:
     raw = env.get(name)
     if raw is None or raw == "":
         return default
@@ -38,7 +38,15 @@ def _int(env: dict[str, str], name: str, default: int, minimum: int = 0) -> int:
         raise ConfigError(f"{name} must be an integer, got {raw!r}") from None
     if value < minimum:
         raise ConfigError(f"{name} must be >= {minimum}, got {value}")
+    if maximum is not None and value > maximum:
+        raise ConfigError(f"{name} must be <= {maximum}, got {value}")
     return value
+
+
+# QUEEN_TIMERS_HORIZON_MS at most 100 years: past about 2.1e14 ms a negative delay clamped at
+# minus the horizon overflowed the timestamp, an HTTP 500 (Dec 7 audit; queen.schedule_timers
+# refuses the same p_horizon_ms)
+MAX_HORIZON_MS = 3_155_760_000_000
 
 
 def tenant_share(total: int, auth: str) -> int:
@@ -171,7 +179,7 @@ class Settings:
             sweeper_backoff_max_ms=_int(env, "QUEEN_SWEEPER_BACKOFF_MAX_MS", 300000, 1),
             retention_interval_ms=_int(env, "QUEEN_RETENTION_INTERVAL_MS", 60000, 0),
             retention_batch=_int(env, "QUEEN_RETENTION_BATCH", 1000, 1),
-            timers_horizon_ms=_int(env, "QUEEN_TIMERS_HORIZON_MS", 90 * 24 * 3600 * 1000, 1),
+            timers_horizon_ms=_int(env, "QUEEN_TIMERS_HORIZON_MS", 90 * 24 * 3600 * 1000, 1, MAX_HORIZON_MS),
             timers_max_ops=(max_ops := _int(env, "QUEEN_TIMERS_MAX_OPS", 256, 1)),
             max_body_bytes=(max_body := _int(env, "QUEEN_MAX_BODY_BYTES", default_max_body_bytes(max_ops), 1)),
             log_max_body_bytes=(log_max := _int(env, "QUEEN_LOG_MAX_BODY_BYTES", 8 * 1024 * 1024, 1)),

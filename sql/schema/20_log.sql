@@ -165,6 +165,12 @@ BEGIN
     IF FOUND THEN
         RETURN v_id;
     END IF;
+    -- a name the broker refuses is refused here too, as QTBAD (not the table's 23502/23514)
+    IF coalesce(p_tenant, '') = '' OR coalesce(p_queue, '') = '' OR NOT queen.log_name_fits(p_queue) THEN
+        RAISE EXCEPTION 'timers_bad_request' USING ERRCODE = 'QTBAD',
+            DETAIL = format('tenant and queue are required, the queue at most 255 bytes (got %s bytes)',
+                            octet_length(p_queue));
+    END IF;
     INSERT INTO queen.queues (tenant, name, namespace, task)
     VALUES (p_tenant, p_queue, nullif(split_part(p_queue, '.', 1), p_queue), nullif(split_part(p_queue, '.', 2), ''))
     ON CONFLICT (tenant, name) DO NOTHING
@@ -197,6 +203,10 @@ BEGIN
         RETURN v_id;
     END IF;
     v_queue_id := queen.ensure_queue(p_tenant, p_queue);
+    IF p_partition = '' OR NOT queen.log_name_fits(p_partition) THEN  -- QTBAD, not the table's 23514
+        RAISE EXCEPTION 'timers_bad_request' USING ERRCODE = 'QTBAD',
+            DETAIL = format('a partition is 1 to 255 bytes (got %s bytes)', octet_length(p_partition));
+    END IF;
     INSERT INTO queen.partitions (queue_id, name)
     VALUES (v_queue_id, coalesce(p_partition, 'Default'))
     ON CONFLICT (queue_id, name) DO NOTHING

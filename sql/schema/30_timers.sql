@@ -497,6 +497,17 @@ BEGIN
     IF p_tenant IS NULL OR p_tenant = '' THEN
         RAISE EXCEPTION 'timers_bad_request' USING ERRCODE = 'QTBAD', DETAIL = 'tenant is required';
     END IF;
+    -- an infinite clock would store deliver_at infinity (every sweeper's next_timer_due_ms
+    -- then fails) and a rate bucket refilled at infinity; a horizon past 100 years lets
+    -- a negative delay overflow the timestamp (22008) (Dec 7 audit)
+    IF NOT isfinite(v_now) THEN
+        RAISE EXCEPTION 'timers_bad_request' USING ERRCODE = 'QTBAD',
+            DETAIL = format('p_now must be a finite time, got %s', v_now);
+    END IF;
+    IF p_horizon_ms IS NOT NULL AND p_horizon_ms NOT BETWEEN 1 AND 3155760000000 THEN
+        RAISE EXCEPTION 'timers_bad_request' USING ERRCODE = 'QTBAD',
+            DETAIL = format('p_horizon_ms must be 1 .. 3155760000000 (100 years), got %s', p_horizon_ms);
+    END IF;
     IF p_ops IS NULL OR cardinality(p_ops) = 0 THEN
         RETURN;
     END IF;

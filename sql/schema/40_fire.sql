@@ -52,9 +52,17 @@ CREATE TYPE queen.fire_result AS (
 -- timers_disabled; DELETE, peek, list and the fire go on.
 CREATE FUNCTION queen.pause_scheduling(p_paused boolean DEFAULT true)
 RETURNS boolean
-LANGUAGE sql AS $$
+LANGUAGE plpgsql AS $$
+DECLARE
+    v_paused boolean;
+BEGIN
+    IF p_paused IS NULL THEN  -- not the cell_settings column's NOT NULL (23502)
+        RAISE EXCEPTION 'timers_bad_request' USING ERRCODE = 'QTBAD', DETAIL = 'p_paused must be true or false';
+    END IF;
     UPDATE queen.cell_settings SET scheduling_paused = p_paused, updated_at = now() WHERE id
-    RETURNING scheduling_paused
+    RETURNING scheduling_paused INTO v_paused;
+    RETURN v_paused;
+END
 $$;
 
 CREATE FUNCTION queen.resume_scheduling()
@@ -76,6 +84,9 @@ DECLARE
     v_paused boolean;
     v_first  timestamptz;
 BEGIN
+    IF p_paused IS NULL THEN  -- not the cell_settings column's NOT NULL (23502)
+        RAISE EXCEPTION 'timers_bad_request' USING ERRCODE = 'QTBAD', DETAIL = 'p_paused must be true or false';
+    END IF;
     UPDATE queen.cell_settings SET fire_paused = p_paused, updated_at = now() WHERE id
     RETURNING fire_paused INTO v_paused;
     IF NOT v_paused THEN

@@ -35,4 +35,5 @@ INSERT INTO queen.schema_migrations (version, name) VALUES
     (30, 'pending_decrement'),
     (31, 'fire_lock_timeout'),
     (32, 'dlq_tenant'),
-    (33, 'ack_batch_nack');
+    (33, 'ack_batch_nack'),
+    (34, 'hostile_arguments');

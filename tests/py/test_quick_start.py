@@ -182,3 +182,12 @@ def test_a_port_out_of_range_stops_the_broker_at_start():
         with pytest.raises(ConfigError, match="QUEEN_PORT"):
             Settings.from_env({"QUEEN_DATABASE_URL": "postgresql://x/y", "QUEEN_PORT": bad})
     assert Settings.from_env({"QUEEN_DATABASE_URL": "postgresql://x/y", "QUEEN_PORT": "65535"}).port == 65535
+
+
+def test_a_horizon_past_100_years_stops_the_broker_at_start():
+    # past about 2.1e14 ms a negative delay clamped at minus the horizon overflowed the
+    # timestamp, an HTTP 500 on every such schedule (Dec 7 audit)
+    url = {"QUEEN_DATABASE_URL": "postgresql://x/y"}
+    with pytest.raises(ConfigError, match="QUEEN_TIMERS_HORIZON_MS must be <= 3155760000000"):
+        Settings.from_env({**url, "QUEEN_TIMERS_HORIZON_MS": "9223372036854775807"})
+    assert Settings.from_env({**url, "QUEEN_TIMERS_HORIZON_MS": "3155760000000"}).timers_horizon_ms == 3155760000000

@@ -549,6 +549,12 @@ BEGIN
     IF FOUND THEN
         RETURN v_id;
     END IF;
+    -- a name the broker refuses is refused here too, as QTBAD (not the table's 23502/23514)
+    IF coalesce(p_tenant, '') = '' OR coalesce(p_queue, '') = '' OR NOT queen.log_name_fits(p_queue) THEN
+        RAISE EXCEPTION 'timers_bad_request' USING ERRCODE = 'QTBAD',
+            DETAIL = format('tenant and queue are required, the queue at most 255 bytes (got %s bytes)',
+                            octet_length(p_queue));
+    END IF;
     INSERT INTO queen.queues (tenant, name, namespace, task)
     VALUES (p_tenant, p_queue, nullif(split_part(p_queue, '.', 1), p_queue), nullif(split_part(p_queue, '.', 2), ''))
     ON CONFLICT (tenant, name) DO NOTHING
@@ -581,6 +587,10 @@ BEGIN
         RETURN v_id;
     END IF;
     v_queue_id := queen.ensure_queue(p_tenant, p_queue);
+    IF p_partition = '' OR NOT queen.log_name_fits(p_partition) THEN  -- QTBAD, not the table's 23514
+        RAISE EXCEPTION 'timers_bad_request' USING ERRCODE = 'QTBAD',
+            DETAIL = format('a partition is 1 to 255 bytes (got %s bytes)', octet_length(p_partition));
+    END IF;
     INSERT INTO queen.partitions (queue_id, name)
     VALUES (v_queue_id, coalesce(p_partition, 'Default'))
     ON CONFLICT (queue_id, name) DO NOTHING
@@ -1110,6 +1120,17 @@ BEGIN
     IF p_tenant IS NULL OR p_tenant = '' THEN
         RAISE EXCEPTION 'timers_bad_request' USING ERRCODE = 'QTBAD', DETAIL = 'tenant is required';
     END IF;
+    -- an infinite clock would store deliver_at infinity (every sweeper's next_timer_due_ms
+    -- then fails) and a rate bucket refilled at infinity; a horizon past 100 years lets
+    -- a negative delay overflow the timestamp (22008) (Dec 7 audit)
+    IF NOT isfinite(v_now) THEN
+        RAISE EXCEPTION 'timers_bad_request' USING ERRCODE = 'QTBAD',
+            DETAIL = format('p_now must be a finite time, got %s', v_now);
+    END IF;
+    IF p_horizon_ms IS NOT NULL AND p_horizon_ms NOT BETWEEN 1 AND 3155760000000 THEN
+        RAISE EXCEPTION 'timers_bad_request' USING ERRCODE = 'QTBAD',
+            DETAIL = format('p_horizon_ms must be 1 .. 3155760000000 (100 years), got %s', p_horizon_ms);
+    END IF;
     IF p_ops IS NULL OR cardinality(p_ops) = 0 THEN
         RETURN;
     END IF;
@@ -1474,9 +1495,17 @@ CREATE TYPE queen.fire_result AS (
 -- timers_disabled; DELETE, peek, list and the fire go on.
 CREATE FUNCTION queen.pause_scheduling(p_paused boolean DEFAULT true)
 RETURNS boolean
-LANGUAGE sql AS $$
+LANGUAGE plpgsql AS $$
+DECLARE
+    v_paused boolean;
+BEGIN
+    IF p_paused IS NULL THEN  -- not the cell_settings column's NOT NULL (23502)
+        RAISE EXCEPTION 'timers_bad_request' USING ERRCODE = 'QTBAD', DETAIL = 'p_paused must be true or false';
+    END IF;
     UPDATE queen.cell_settings SET scheduling_paused = p_paused, updated_at = now() WHERE id
-    RETURNING scheduling_paused
+    RETURNING scheduling_paused INTO v_paused;
+    RETURN v_paused;
+END
 $$;
 
 CREATE FUNCTION queen.resume_scheduling()
@@ -1498,6 +1527,9 @@ DECLARE
     v_paused boolean;
     v_first  timestamptz;
 BEGIN
+    IF p_paused IS NULL THEN  -- not the cell_settings column's NOT NULL (23502)
+        RAISE EXCEPTION 'timers_bad_request' USING ERRCODE = 'QTBAD', DETAIL = 'p_paused must be true or false';
+    END IF;
     UPDATE queen.cell_settings SET fire_paused = p_paused, updated_at = now() WHERE id
     RETURNING fire_paused INTO v_paused;
     IF NOT v_paused THEN
@@ -3719,7 +3751,8 @@ INSERT INTO queen.schema_migrations (version, name) VALUES
     (30, 'pending_decrement'),
     (31, 'fire_lock_timeout'),
     (32, 'dlq_tenant'),
-    (33, 'ack_batch_nack');
+    (33, 'ack_batch_nack'),
+    (34, 'hostile_arguments');
 
 -- generated: tables of the extension that hold user data are dumped by pg_dump
 DO $qt$
