@@ -274,7 +274,14 @@ async def push(request: Request) -> JSONResponse:
         else:
             out.append({"index": r["idx"], "transaction_id": r["transaction_id"], "status": r["status"],
                         "message_id": str(r["message_id"]), "queueName": r["queue_name"]})
-    return JSONResponse(out, status_code=201)
+    return _json_answer(out, 201)
+
+
+def _json_answer(content, status: int = 200) -> Response:
+    """JSONResponse's bytes (compact, UTF-8), by orjson: a push or transaction of 10,000 items
+    answers 10,000 objects, which the stdlib encoder took about 8 % of the broker's time over
+    (Dec 7 profile of one tenant's pushes of 10,000 items, another tenant's DELETEs waiting)."""
+    return Response(orjson.dumps(content), status_code=status, media_type="application/json")
 
 
 # ---------------------------------------------------------------------------
@@ -630,7 +637,7 @@ async def transaction(request: Request) -> JSONResponse:
     if not out["success"]:
         body["error"] = out["error"]
         body["failedIndex"] = out["failed_index"]
-    return JSONResponse(body)
+    return _json_answer(body)
 
 
 MAX_EXTEND_SECONDS = 86400
