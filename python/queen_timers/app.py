@@ -49,11 +49,13 @@ def internal_error_response() -> JSONResponse:
                         status_code=500)
 
 
-def cancelled_response() -> Response:
-    """The answer of a request a stop cancelled in its database call (errors.STOPPED_BODY)."""
+async def answer_stopped(scope, receive, send) -> None:
+    """The answer of a request a stop cancelled in its database call (errors.STOPPED_BODY),
+    sent if it can be: the caller re-raises the cancel either way."""
     response = Response(STOPPED_BODY, status_code=503)
     response.raw_headers = list(STOPPED_HEADERS)
-    return response
+    with contextlib.suppress(Exception):
+        await response(scope, receive, send)
 
 
 HTTP_SLUGS = {404: "not_found", 405: "method_not_allowed"}
@@ -116,8 +118,7 @@ class UnexpectedErrors:
             # request whose database never answered (a hung server; Dec 7 audit). It answered
             # uvicorn's plain 500; the outcome is unknown, as for a 503 in a failover.
             if not started:
-                with contextlib.suppress(Exception):
-                    await cancelled_response()(scope, receive, send)
+                await answer_stopped(scope, receive, send)
             raise
         except Exception:
             if started:  # too late for a response of our own
@@ -233,8 +234,7 @@ class HotRoutes:
             try:
                 response = await self.respond(app, hit, scope, receive, send)
             except asyncio.CancelledError:  # a stop, its database call unanswered (UnexpectedErrors)
-                with contextlib.suppress(Exception):
-                    await cancelled_response()(scope, receive, send)
+                await answer_stopped(scope, receive, send)
                 raise
             await response(scope, receive, send)
         finally:

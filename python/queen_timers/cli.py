@@ -228,11 +228,17 @@ def _check_request_connection(settings: Settings) -> None:
                            f"{_redact(settings.database_url)} refused the startup parameter `options` ({text}): "
                            "it is a transaction pooler (pgbouncer); set QUEEN_POOL_MODE=transaction "
                            "(docs/pgbouncer.md)") from None
-        mapped = _from_database_error(exc)
-        if mapped is None:
-            raise
-        mapped.detail = f"{_redact(settings.database_url)}: {mapped.detail}"
-        raise mapped from None
+        raise _at_database(settings, exc) from None
+
+
+def _at_database(settings: Settings, exc: Exception) -> Exception:
+    """A database failure at start, as its CliError naming the (redacted) URL; exc itself
+    when it is not a database error (a bug: raised as it is)."""
+    mapped = _from_database_error(exc)
+    if mapped is None:
+        return exc
+    mapped.detail = f"{_redact(settings.database_url)}: {mapped.detail}"
+    return mapped
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -263,11 +269,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except MigrationError as exc:
         raise CliError("migration_refused", str(exc)) from None
     except Exception as exc:
-        mapped = _from_database_error(exc)
-        if mapped is None:
+        failure = _at_database(settings, exc)
+        if failure is exc:
             raise
-        mapped.detail = f"{_redact(settings.database_url)}: {mapped.detail}"
-        raise mapped from None
+        raise failure from None
     if applied:
         logging.getLogger("queen_timers").info("applied migrations %s", applied)
     _check_request_connection(settings)

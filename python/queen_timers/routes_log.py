@@ -342,12 +342,12 @@ async def pop(request: Request) -> Response:
     first = rows[0]
     del rows
     # orjson: the `data` fragments are embedded as stored; json.dumps of 8,000 messages held the loop ~1 s
-    return Response(orjson.dumps({
+    return _json_answer({
         "success": True, "queue": first["queue"], "partition": first["partition"],
         "partitionId": str(first["partition_id"]), "leaseId": lease_id,
         "consumerGroup": first["consumer_group"], "partitionsClaimed": 1,
         "leaseExpiresAt": iso_us(first["lease_expires_at"]), "messages": messages,
-    }), media_type="application/json")
+    })
 
 
 # ---------------------------------------------------------------------------

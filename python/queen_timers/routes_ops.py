@@ -27,6 +27,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from . import db
 from .auth import READ_ONLY
 from .bodies import TENANT_KEY, read_json
 from .errors import bad_request, from_exception, query_int, query_param
@@ -133,7 +134,7 @@ async def timers_stats(request: Request) -> JSONResponse:
         as_of = start["as_of"]
         if settings.statement_timeout_ms:  # each statement passes over the tenant's timers
             timeout = settings.statement_timeout_ms + math.ceil(start["pending"] / 1e6) * STATS_MS_PER_MILLION
-            await conn.execute("SELECT set_config('statement_timeout', %s, true)", (str(timeout),))
+            await conn.execute(db.SET_TIMEOUT, (str(timeout),))
         cur = await conn.execute(TOTALS_SQL, (principal.tenant, buckets, bucket_seconds, as_of))
         totals = await cur.fetchone()
         # one row past the page says whether another page follows

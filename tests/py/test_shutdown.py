@@ -129,11 +129,10 @@ def test_a_request_whose_database_never_answers_gets_a_json_503_when_the_stop_ca
     here a row lock and no statement timeout): uvicorn cancels it, and the client gets a JSON
     503 saying the outcome is unknown, not uvicorn's plain 500 (Dec 7 audit)."""
     from test_direct_lane import Responses, delete, held
+    from timers_util import op, post
     b = spawn_broker(QUEEN_SHUTDOWN_TIMEOUT_MS="300", QUEEN_STATEMENT_TIMEOUT_MS="0")
     with b.client() as c:
-        assert c.post("/api/v1/timers", json={"operations": [
-            {"op": "schedule", "queue": "reminders", "timerKey": "hung", "delayMs": 3600000, "txn": "hung",
-             "payload": "e30="}]}).status_code == 200
+        assert post(c, op("schedule", "hung")).status_code == 200
     answer: list = []
     sock = socket.create_connection(("127.0.0.1", b.port), timeout=30)
     try:
