@@ -55,6 +55,21 @@ from .errors import ReadOnlyServer
 log = logging.getLogger("queen_timers.db")
 
 
+class _QuietDiscard(logging.Filter):
+    """psycopg_pool warns "discarding closed connection" for any connection given back
+    closed. The broker closes some on purpose (Pool.discard: after a parameter over
+    1 MiB, a standby's, a broken one): those are not news, and a WARNING for every large
+    push told operators something was wrong. A connection closed by anyone else still
+    warns."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.msg == "discarding closed connection: %s" and record.args
+                    and getattr(record.args[0], "queen_discarded", False))
+
+
+logging.getLogger("psycopg.pool").addFilter(_QuietDiscard())
+
+
 
 def find_sql_dir() -> Path:
     """Where sql/ (schema/ and migrations/) is: QUEEN_SQL_DIR when set; else the copy a
@@ -681,6 +696,7 @@ class Lease:
             try:
                 if id(conn) in pool._discard:
                     pool._discard.discard(id(conn))
+                    conn.queen_discarded = True  # see _QuietDiscard
                     await conn.close()  # the pool drops a closed connection and opens another
                 if not pool._give_idle(conn):
                     await pool.putconn(conn)

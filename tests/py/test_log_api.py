@@ -378,3 +378,19 @@ def test_concurrent_pops_hand_a_partition_to_exactly_one_consumer(broker, db):
     assert len(winners) == 1, results
     assert [m["transactionId"] for m in winners[0]] == ["r0", "r1", "r2"]
     assert sorted(status for status, _ in results) == [200, 204, 204, 204]
+
+
+def test_a_push_over_a_mebibyte_closes_its_connection_without_a_warning(spawn_broker, db):
+    # The connection that sent a parameter over 1 MiB is closed after the request (libpq
+    # keeps its buffer at that size); psycopg_pool logged a WARNING for each one, which told
+    # operators something was wrong on every large push. A closed connection the broker did
+    # not close itself still warns (psycopg_pool's own message).
+    broker = spawn_broker()
+    big = "x" * (3 << 19)  # 1.5 MiB of JSON string: over routes_log.DISCARD_AFTER_BYTES
+    with broker.client() as c:
+        for i in range(3):
+            push(c, {"queue": "big", "transactionId": f"big-{i}", "payload": {"blob": big}})
+        got = pop(c, "big", batch=3, autoAck="true")
+    assert sorted(m["transactionId"] for m in got["messages"]) == ["big-0", "big-1", "big-2"]
+    assert all(m["data"] == {"blob": big} for m in got["messages"])
+    assert "discarding closed connection" not in broker.log(), broker.log()[-2000:]
