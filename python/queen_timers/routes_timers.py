@@ -72,11 +72,7 @@ INT64_MIN, INT64_MAX = -(2 ** 63), 2 ** 63 - 1
 # took 31 % more of its CPU). An array that is all NULL is sent as NULL: a
 # multi-argument unnest pads it. SCHEDULE_ROWS is the verdicts in no order
 # (SCHEDULE_JSON_SQL orders them in its aggregate: one sort, not two).
-SCHEDULE_ROWS = """
-SELECT v.ordinal, v.ok, v.status, v.queue, v.timer_key, v.txn, v.message_id, v.deliver_at
-  FROM queen.schedule_timers(
-         %(tenant)s,
-         ARRAY(SELECT ROW(o.op, o.queue, o.timer_key, o.delay_ms, o.txn, o.payload, o.partition,
+OPS_ARRAY = """ARRAY(SELECT ROW(o.op, o.queue, o.timer_key, o.delay_ms, o.txn, o.payload, o.partition,
                           o.payload_zstd, o.encrypted, o.raw_size)::queen.timer_op
                  FROM unnest(%(op)b::text[], %(queue)b::text[], %(timer_key)b::text[],
                              %(delay_ms)b::bigint[], %(txn)b::text[], %(payload)b::bytea[],
@@ -84,7 +80,12 @@ SELECT v.ordinal, v.ok, v.status, v.queue, v.timer_key, v.txn, v.message_id, v.d
                              %(encrypted)b::boolean[], %(raw_size)b::integer[])
                       WITH ORDINALITY AS o(op, queue, timer_key, delay_ms, txn, payload, partition,
                                            payload_zstd, encrypted, raw_size, n)
-                ORDER BY o.n),
+                ORDER BY o.n)"""
+SCHEDULE_ROWS = f"""
+SELECT v.ordinal, v.ok, v.status, v.queue, v.timer_key, v.txn, v.message_id, v.deliver_at
+  FROM queen.schedule_timers(
+         %(tenant)s,
+         {OPS_ARRAY},
          %(producer_sub)s,
          %(horizon_ms)s::bigint,
          %(tenancy)s::boolean,
@@ -151,6 +152,12 @@ _STATEMENTS = {sql: db.Statement(sql) for sql in (SCHEDULE_JSON_SQL, SCHEDULE_PA
 
 # the caller's queues only: a queue name is unique per tenant, not per cell
 ENCRYPTING_QUEUES_SQL = "SELECT queen.encrypted_queues(%s, %s::text[]) AS name"
+# The contract's ladder (DECISIONS.md: its rungs, in order) comes before this broker's own
+# refusal of a queue that encrypts while it has no QUEEN_ENCRYPTION_KEY (403 feature_gated,
+# _encrypt_ops): the rungs run for the batch in a transaction rolled back (rate tokens given
+# back), and only a batch they pass gets the 403. A paused cell answered 403 instead of
+# 503, a rate-limited tenant 403 instead of 429 (Dec 7 audit).
+GATES_SQL = f"SELECT 1 FROM queen.check_timer_gates(%(tenant)s, {OPS_ARRAY}, %(horizon_ms)s::bigint, %(tenancy)s::boolean)"
 
 # A batch whose payloads pass QUEEN_TIMERS_STAGE_BYTES is staged: its bytes are
 # streamed to queen.staged_payloads by COPY (never one parameter of hundreds of
@@ -475,6 +482,16 @@ def _warn_no_key(queue: str) -> None:
                     "most; every request into such a queue is answered 403 feature_gated)", queue)
 
 
+async def _ladder_first(conn, ops: list[dict], principal, settings) -> None:
+    """GATES_SQL for the batch: raises the first rung that refuses it. Each payload
+    travels as its size alone (raw_size), as a staged batch's does."""
+    sized = [o if o["op"] == "cancel" else
+             {**o, "payload": b"", "raw_size": max(len(o["payload"]), o["raw_size"] or 0)} for o in ops]
+    params = _with_settings(_schedule_params(sized), principal.tenant, principal.sub, settings)
+    async with conn.transaction(force_rollback=True):
+        await conn.execute(GATES_SQL, params)
+
+
 def _encrypt_ops(ops: list[dict], encrypting: set[str], key: bytes | None) -> None:
     """Encryption happens at schedule: for a queue that encrypts at rest the
     stored payload is Queen's envelope of the (decompressed) bytes."""
@@ -719,6 +736,8 @@ async def schedule(request: Request) -> Response:
         encrypting, *verdicts = await db.fetch_row(conn, _STATEMENTS[sql], params)
         if encrypting:  # nothing was written: encrypt those queues' payloads, then the batch alone
             ops = batch.ops(max_ops) if isinstance(batch, FastBatch) else batch
+            if settings.encryption_key is None:
+                await _ladder_first(conn, ops, principal, settings)
             _encrypt_ops(ops, set(orjson.loads(encrypting)), settings.encryption_key)
             params.update(_schedule_params(ops), encrypt_check=None)  # the arrays, in every column
             encrypting, *verdicts = await db.fetch_row(conn, _STATEMENTS[SCHEDULE_JSON_SQL], params)
@@ -748,6 +767,8 @@ async def _schedule_staged(conn, ops: list[dict], staged: int, principal, settin
             cur = await conn.execute(ENCRYPTING_QUEUES_SQL, (principal.tenant, upserts))
             encrypting = {r["name"] for r in await cur.fetchall()}
             if encrypting:
+                if settings.encryption_key is None:
+                    await _ladder_first(conn, ops, principal, settings)
                 _encrypt_ops(ops, encrypting, settings.encryption_key)
         batch = uuid.uuid4()
         cur = conn.cursor(row_factory=tuple_row)

@@ -36,4 +36,5 @@ INSERT INTO queen.schema_migrations (version, name) VALUES
     (31, 'fire_lock_timeout'),
     (32, 'dlq_tenant'),
     (33, 'ack_batch_nack'),
-    (34, 'hostile_arguments');
+    (34, 'hostile_arguments'),
+    (35, 'empty_batch_gates');

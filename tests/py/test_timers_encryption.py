@@ -94,6 +94,26 @@ def test_encrypting_queue_without_a_key_is_403_feature_gated(client, db):
     assert post(client, op("cancel", "k", queue="secret")).json()["results"][0]["status"] == "absent"
 
 
+
+@pytest.mark.parametrize("staged", [False, True], ids=["batch", "staged batch"])
+def test_the_ladder_comes_before_the_missing_key(broker_factory, db, staged):
+    # The contract's rungs, in order, then the broker's own 403: a paused cell is 503
+    # (retry later), not 403 (retrying will not help), and a batch over the horizon is its
+    # own refusal; a staged batch (its payloads past QUEEN_TIMERS_STAGE_BYTES) the same.
+    env = {"QUEEN_TIMERS_STAGE_BYTES": "0"} if staged else {}
+    db.execute("INSERT INTO queen.queues (name, encryption_enabled) VALUES ('secret', true)")
+    with broker_factory(**env).client() as c:
+        db.execute("SELECT queen.pause_scheduling()")
+        r = post(c, op("schedule", "k", queue="secret"))
+        assert_error(r, 503, "timers_disabled")
+        assert int(r.headers["Retry-After"]) >= 1 and r.headers["x-queen-timers-hint"] == HINT
+        db.execute("SELECT queen.resume_scheduling()")
+        assert_error(post(c, op("schedule", "k", queue="secret", delayMs=10 ** 15)), 403, "timer_horizon_exceeded")
+        assert "QUEEN_ENCRYPTION_KEY" in assert_error(post(c, op("schedule", "k", queue="secret")),
+                                                      403, "feature_gated")["detail"]
+        assert rows(db) == []
+
+
 def test_the_missing_key_is_logged_once_a_minute_not_once_a_request(spawn_broker, db):
     # a line per request let any client write the broker's log as fast as it could send
     db.execute("INSERT INTO queen.queues (name, encryption_enabled) VALUES ('secret', true)")

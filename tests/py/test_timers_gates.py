@@ -55,6 +55,19 @@ def test_paused_scheduling_is_503_timers_disabled_with_retry_after(client, db):
     assert post(client, op("schedule", "new")).status_code == 200
 
 
+
+def test_an_empty_batch_passes_the_ladder_too(client, db):
+    # nothing to write, but the rungs answer as for any batch (migration 035): an empty
+    # batch got 200 while scheduling was paused
+    db.execute("SELECT queen.pause_scheduling()")
+    r = client.post("/api/v1/timers", json={"operations": []})
+    refused(r, 503, "timers_disabled", db, before=0)
+    assert int(r.headers["Retry-After"]) >= 1
+    db.execute("SELECT queen.resume_scheduling()")
+    r = client.post("/api/v1/timers", json={"operations": []})
+    assert r.status_code == 200 and r.json() == {"results": []}, r.text
+
+
 # ---- 403 feature_gated --------------------------------------------------------
 
 def test_tenancy_without_quota_row_is_feature_gated(tenancy, db):

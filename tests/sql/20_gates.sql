@@ -1,7 +1,7 @@
 -- The refusals of schedule_timers: shape (QTBAD) and every rung of the
 -- gate ladder, in order, each with its SQLSTATE; a refused batch writes nothing.
 BEGIN;
-SELECT plan(54);
+SELECT plan(59);
 
 CREATE FUNCTION pg_temp.t0() RETURNS timestamptz LANGUAGE sql AS $$ SELECT '2030-01-01 00:00:00+00'::timestamptz $$;
 CREATE FUNCTION pg_temp.op(p_op text, p_queue text, p_key text, p_delay bigint DEFAULT 1000,
@@ -59,6 +59,8 @@ SELECT is(pg_temp.hint_of($$SELECT * FROM pg_temp.sched(ARRAY[pg_temp.op('cancel
           'even a cancel-only batch; QTOFF carries a retry hint');
 SELECT throws_ok($$SELECT * FROM pg_temp.sched(ARRAY[pg_temp.op('schedule', 'q', 'k')], 'nobody', true)$$, 'QTOFF', 'timers_disabled',
                  'the pause is the first rung (before feature_gated)');
+SELECT throws_ok($$SELECT * FROM pg_temp.sched('{}')$$, 'QTOFF', 'timers_disabled', 'an empty batch passes the ladder too (migration 035)');
+SELECT throws_ok($$SELECT * FROM queen.schedule_timers('acme', NULL)$$, 'QTOFF', 'timers_disabled', 'and so does no batch at all');
 SELECT is(queen.cancel_timer('acme', 'q1', 'same', pg_temp.t0()), 'cancelled', 'cancel_timer (the DELETE route) passes a paused schedule');
 SELECT is(queen.resume_scheduling(), true, 'resume_scheduling');
 SELECT lives_ok($$SELECT * FROM pg_temp.sched(ARRAY[pg_temp.op('schedule', 'q', 'after-resume')])$$, 'scheduling works again');
@@ -72,11 +74,15 @@ INSERT INTO queen.plans (plan, max_pending_timers, max_payload_bytes, horizon_ms
 INSERT INTO queen.tenants (tenant, plan) VALUES ('freeloader', 'free'), ('initech', 'pro');
 SELECT throws_ok($$SELECT * FROM pg_temp.sched(ARRAY[pg_temp.op('schedule', 'q', 'k')], 'freeloader', true)$$, 'QTGAT', 'feature_gated',
                  'a plan without timers');
+SELECT throws_ok($$SELECT * FROM pg_temp.sched('{}', 'nobody', true)$$, 'QTGAT', 'feature_gated',
+                 'an empty batch of a tenant without a quota row under tenancy');
+SELECT is_empty($$SELECT * FROM pg_temp.sched('{}', 'initech', true)$$, 'an empty batch that passes every rung returns no verdict');
 
 -- ---------------------------------------------------------------- 3. produce block: QTBLK
 UPDATE queen.tenants SET produce_blocked = true WHERE tenant = 'initech';
 SELECT throws_ok($$SELECT * FROM pg_temp.sched(ARRAY[pg_temp.op('schedule', 'q', 'k')], 'initech', true)$$, 'QTBLK', 'produce_blocked',
                  'a tenant produce block');
+SELECT throws_ok($$SELECT * FROM pg_temp.sched('{}', 'initech', true)$$, 'QTBLK', 'produce_blocked', 'an empty batch under a produce block');
 UPDATE queen.tenants SET produce_blocked = false WHERE tenant = 'initech';
 UPDATE queen.cell_settings SET produce_blocked = true;
 SELECT throws_ok($$SELECT * FROM pg_temp.sched(ARRAY[pg_temp.op('cancel', 'q', 'after-resume')])$$, 'QTBLK', 'produce_blocked',

@@ -1132,6 +1132,9 @@ BEGIN
             DETAIL = format('p_horizon_ms must be 1 .. 3155760000000 (100 years), got %s', p_horizon_ms);
     END IF;
     IF p_ops IS NULL OR cardinality(p_ops) = 0 THEN
+        -- nothing to write, but the ladder's rungs still answer: an empty batch while
+        -- scheduling is paused is 503 timers_disabled, as any other (Dec 7 audit)
+        PERFORM queen.check_timer_gates(p_tenant, '{}', p_horizon_ms, p_tenancy, v_now);
         RETURN;
     END IF;
     IF p_staged IS NOT NULL THEN
@@ -3752,7 +3755,8 @@ INSERT INTO queen.schema_migrations (version, name) VALUES
     (31, 'fire_lock_timeout'),
     (32, 'dlq_tenant'),
     (33, 'ack_batch_nack'),
-    (34, 'hostile_arguments');
+    (34, 'hostile_arguments'),
+    (35, 'empty_batch_gates');
 
 -- generated: tables of the extension that hold user data are dumped by pg_dump
 DO $qt$
