@@ -47,6 +47,35 @@ def _int(env: dict[str, str], name: str, default: int, minimum: int = 0, maximum
 # minus the horizon overflowed the timestamp, an HTTP 500 (Dec 7 audit; queen.schedule_timers
 # refuses the same p_horizon_ms)
 MAX_HORIZON_MS = 3_155_760_000_000
+# Values PostgreSQL takes as integer (a sweeper's batch, lease, attempts and backoffs;
+# statement_timeout) or bigint: past them every sweeper cycle failed (42883: no such
+# function for a numeric argument), or every request (Dec 7 configuration audit).
+INT32_MAX = 2_147_483_647
+INT64_MAX = 9_223_372_036_854_775_807
+MAX_TIMER_OPS = 10_000         # a batch, as a push's items (the default body cap grows with it)
+MAX_POP_BYTES = 1 << 30        # a pop answer's payloads; the DLQ page's bigint argument too
+MAX_JWT_LEEWAY_S = 3600        # more would serve tokens long expired: exp is required
+MAX_POOL = 1000                # each connection a PostgreSQL backend and open files here
+
+
+def _check_public_key(text: str) -> None:
+    """QUEEN_JWT_PUBLIC_KEY is a public key (PEM or OpenSSH) of a type a token can be
+    signed with: RSA (RS256), EC P-256 (ES256), Ed25519 or Ed448 (EdDSA). Anything else
+    started a broker that refused every token."""
+    from cryptography.exceptions import UnsupportedAlgorithm
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ec, ed448, ed25519, rsa
+    for load in (serialization.load_pem_public_key, serialization.load_ssh_public_key):
+        try:
+            key = load(text.encode())
+        except (ValueError, UnsupportedAlgorithm):
+            continue
+        if isinstance(key, (rsa.RSAPublicKey, ed25519.Ed25519PublicKey, ed448.Ed448PublicKey)) or (
+                isinstance(key, ec.EllipticCurvePublicKey) and isinstance(key.curve, ec.SECP256R1)):
+            return
+        raise ConfigError("QUEEN_JWT_PUBLIC_KEY must be an RSA, EC P-256, Ed25519 or Ed448 public key")
+    raise ConfigError("QUEEN_JWT_PUBLIC_KEY is not a public key (PEM or OpenSSH): a private key, "
+                      "a certificate or other text is refused")
 
 
 def tenant_share(total: int, auth: str) -> int:
@@ -171,19 +200,19 @@ class Settings:
             broker_id=env.get("QUEEN_BROKER_ID") or f"{socket.gethostname()}-{os.getpid()}",
             sweeper_min_sleep_ms=_int(env, "QUEEN_SWEEPER_MIN_SLEEP_MS", 10),
             sweeper_max_sleep_ms=_int(env, "QUEEN_SWEEPER_MAX_SLEEP_MS", 1000, 1),
-            sweeper_lease_ms=_int(env, "QUEEN_SWEEPER_LEASE_MS", 30000, 1),
-            sweeper_max_attempts=_int(env, "QUEEN_SWEEPER_MAX_ATTEMPTS", 5, 1),
-            sweeper_batch=_int(env, "QUEEN_SWEEPER_BATCH", 256, 1),
-            sweeper_batch_bytes=_int(env, "QUEEN_SWEEPER_BATCH_BYTES", 16 * 1024 * 1024, 1),
-            sweeper_backoff_ms=_int(env, "QUEEN_SWEEPER_BACKOFF_MS", 1000, 1),
-            sweeper_backoff_max_ms=_int(env, "QUEEN_SWEEPER_BACKOFF_MAX_MS", 300000, 1),
+            sweeper_lease_ms=_int(env, "QUEEN_SWEEPER_LEASE_MS", 30000, 1, INT32_MAX),
+            sweeper_max_attempts=_int(env, "QUEEN_SWEEPER_MAX_ATTEMPTS", 5, 1, INT32_MAX),
+            sweeper_batch=_int(env, "QUEEN_SWEEPER_BATCH", 256, 1, INT32_MAX),
+            sweeper_batch_bytes=_int(env, "QUEEN_SWEEPER_BATCH_BYTES", 16 * 1024 * 1024, 1, INT64_MAX),
+            sweeper_backoff_ms=_int(env, "QUEEN_SWEEPER_BACKOFF_MS", 1000, 1, INT32_MAX),
+            sweeper_backoff_max_ms=_int(env, "QUEEN_SWEEPER_BACKOFF_MAX_MS", 300000, 1, INT32_MAX),
             retention_interval_ms=_int(env, "QUEEN_RETENTION_INTERVAL_MS", 60000, 0),
             retention_batch=_int(env, "QUEEN_RETENTION_BATCH", 1000, 1),
             timers_horizon_ms=_int(env, "QUEEN_TIMERS_HORIZON_MS", 90 * 24 * 3600 * 1000, 1, MAX_HORIZON_MS),
-            timers_max_ops=(max_ops := _int(env, "QUEEN_TIMERS_MAX_OPS", 256, 1)),
+            timers_max_ops=(max_ops := _int(env, "QUEEN_TIMERS_MAX_OPS", 256, 1, MAX_TIMER_OPS)),
             max_body_bytes=(max_body := _int(env, "QUEEN_MAX_BODY_BYTES", default_max_body_bytes(max_ops), 1)),
             log_max_body_bytes=(log_max := _int(env, "QUEEN_LOG_MAX_BODY_BYTES", 8 * 1024 * 1024, 1)),
-            pop_max_bytes=(pop_max := _int(env, "QUEEN_POP_MAX_BYTES", 16 * 1024 * 1024, 1)),
+            pop_max_bytes=(pop_max := _int(env, "QUEEN_POP_MAX_BYTES", 16 * 1024 * 1024, 1, MAX_POP_BYTES)),
             body_budget_bytes=_int(env, "QUEEN_BODY_BUDGET_BYTES", 2 * heaviest_request(max_body, log_max, pop_max), 1),
             body_wait_ms=_int(env, "QUEEN_BODY_WAIT_MS", 5000, 0),
             body_timeout_ms=_int(env, "QUEEN_BODY_TIMEOUT_MS", 120000, 1),
@@ -198,14 +227,14 @@ class Settings:
             auth=auth,
             jwt_secret=env.get("QUEEN_JWT_SECRET") or None,
             jwt_public_key=env.get("QUEEN_JWT_PUBLIC_KEY") or None,
-            jwt_leeway_seconds=_int(env, "QUEEN_JWT_LEEWAY_SECONDS", 5, 0),
+            jwt_leeway_seconds=_int(env, "QUEEN_JWT_LEEWAY_SECONDS", 5, 0, MAX_JWT_LEEWAY_S),
             jwt_max_bytes=_int(env, "QUEEN_JWT_MAX_BYTES", 8192, 64),
             operator_tenant=env.get("QUEEN_OPERATOR_TENANT") or "default",
             tenancy=_choice(env, "QUEEN_TENANCY", "off", ("off", "on")) == "on",
             pool_min=_int(env, "QUEEN_POOL_MIN", 1, 0),
-            pool_max=_int(env, "QUEEN_POOL_MAX", 10, 1),
+            pool_max=_int(env, "QUEEN_POOL_MAX", 10, 1, MAX_POOL),
             pool_timeout_ms=_int(env, "QUEEN_POOL_TIMEOUT_MS", 2000, 1),
-            statement_timeout_ms=_int(env, "QUEEN_STATEMENT_TIMEOUT_MS", 5000, 0),
+            statement_timeout_ms=_int(env, "QUEEN_STATEMENT_TIMEOUT_MS", 5000, 0, INT32_MAX),
             # libpq's floor is 2 s; 0 would mean "wait forever" there, which the broker never does
             connect_timeout_s=_int(env, "QUEEN_CONNECT_TIMEOUT_S", 5, 2),
         )
@@ -231,4 +260,12 @@ class Settings:
                               f"got {settings.jwt_max_bytes}")
         if auth == "jwt" and not (settings.jwt_secret or settings.jwt_public_key):
             raise ConfigError("QUEEN_AUTH=jwt needs QUEEN_JWT_SECRET or QUEEN_JWT_PUBLIC_KEY")
+        if settings.jwt_secret and settings.jwt_public_key:
+            # one key: the secret was ignored, and every HS256 token refused
+            raise ConfigError("set QUEEN_JWT_SECRET or QUEEN_JWT_PUBLIC_KEY, not both")
+        if settings.jwt_public_key:
+            _check_public_key(settings.jwt_public_key)
+        if settings.pool_min > settings.pool_max:
+            raise ConfigError(f"QUEEN_POOL_MIN ({settings.pool_min}) must not exceed QUEEN_POOL_MAX "
+                              f"({settings.pool_max})")
         return settings

@@ -191,3 +191,54 @@ def test_a_horizon_past_100_years_stops_the_broker_at_start():
     with pytest.raises(ConfigError, match="QUEEN_TIMERS_HORIZON_MS must be <= 3155760000000"):
         Settings.from_env({**url, "QUEEN_TIMERS_HORIZON_MS": "9223372036854775807"})
     assert Settings.from_env({**url, "QUEEN_TIMERS_HORIZON_MS": "3155760000000"}).timers_horizon_ms == 3155760000000
+
+
+# Past these, the broker started healthy and then every sweeper cycle failed (PostgreSQL
+# integer arguments), every request did (statement_timeout), tokens long expired were
+# served (leeway), or the pool crashed after the migrations (Dec 7 configuration audit).
+OUT_OF_RANGE = [
+    ("QUEEN_SWEEPER_LEASE_MS", "2147483648", "2147483647"),
+    ("QUEEN_SWEEPER_BATCH", "2147483648", "2147483647"),
+    ("QUEEN_SWEEPER_MAX_ATTEMPTS", "2147483648", "2147483647"),
+    ("QUEEN_SWEEPER_BACKOFF_MS", "2147483648", "2147483647"),
+    ("QUEEN_SWEEPER_BACKOFF_MAX_MS", "2147483648", "2147483647"),
+    ("QUEEN_SWEEPER_BATCH_BYTES", "9223372036854775808", "9223372036854775807"),
+    ("QUEEN_STATEMENT_TIMEOUT_MS", "2147483648", "2147483647"),
+    ("QUEEN_TIMERS_MAX_OPS", "10001", "10000"),
+    ("QUEEN_POP_MAX_BYTES", str((1 << 30) + 1), str(1 << 30)),
+    ("QUEEN_JWT_LEEWAY_SECONDS", "3601", "3600"),
+    ("QUEEN_POOL_MAX", "1001", "1000"),
+]
+
+
+@pytest.mark.parametrize("name, over, most", OUT_OF_RANGE, ids=[n for n, _, _ in OUT_OF_RANGE])
+def test_a_value_past_what_it_can_be_stops_the_broker_at_start(name, over, most):
+    url = {"QUEEN_DATABASE_URL": "postgresql://x/y", "QUEEN_BODY_BUDGET_BYTES": str(1 << 50)}
+    with pytest.raises(ConfigError, match=f"{name} must be <= {most}"):
+        Settings.from_env({**url, name: over})
+    Settings.from_env({**url, name: most})
+
+
+def test_inconsistent_pool_and_jwt_keys_stop_the_broker_at_start():
+    url = {"QUEEN_DATABASE_URL": "postgresql://x/y"}
+    with pytest.raises(ConfigError, match=r"QUEEN_POOL_MIN \(20\) must not exceed QUEEN_POOL_MAX \(10\)"):
+        Settings.from_env({**url, "QUEEN_POOL_MIN": "20"})
+    jwt = {**url, "QUEEN_AUTH": "jwt"}
+    with pytest.raises(ConfigError, match="not both"):
+        Settings.from_env({**jwt, "QUEEN_JWT_SECRET": "s" * 32, "QUEEN_JWT_PUBLIC_KEY": "x"})
+    with pytest.raises(ConfigError, match="is not a public key"):
+        Settings.from_env({**jwt, "QUEEN_JWT_PUBLIC_KEY": "garbage"})
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ec, rsa
+    private = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+    pem = private.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                serialization.NoEncryption()).decode()
+    with pytest.raises(ConfigError, match="is not a public key"):
+        Settings.from_env({**jwt, "QUEEN_JWT_PUBLIC_KEY": pem})  # the private half
+    public = private.public_key().public_bytes(serialization.Encoding.PEM,
+                                               serialization.PublicFormat.SubjectPublicKeyInfo).decode()
+    assert Settings.from_env({**jwt, "QUEEN_JWT_PUBLIC_KEY": public}).jwt_public_key == public
+    p384 = ec.generate_private_key(ec.SECP384R1()).public_key().public_bytes(
+        serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo).decode()
+    with pytest.raises(ConfigError, match="EC P-256"):
+        Settings.from_env({**jwt, "QUEEN_JWT_PUBLIC_KEY": p384})
