@@ -231,6 +231,53 @@ def _check_request_connection(settings: Settings) -> None:
         raise _at_database(settings, exc) from None
 
 
+# What tells one database from another: its name, its queen schema's OID and its server's
+# start (the same through a pooler, a HAProxy or a multi-host URL that reach one primary).
+_IDENTITY = ("SELECT current_database(), (SELECT oid FROM pg_namespace WHERE nspname = 'queen'), "
+             "pg_postmaster_start_time()")
+
+
+def _check_other_urls(settings: Settings) -> None:
+    """QUEEN_DIRECT_DATABASE_URL and QUEEN_READ_DATABASE_URL connected once before serving.
+    A direct URL that could not connect, or named another database, started a broker that
+    answered healthy while its sweeper failed every cycle or fired another database's timers;
+    a read URL that could not connect, one 503 per peek and list (Dec 7 audit)."""
+    import psycopg
+
+    from .db import conninfo
+    if not (settings.direct_database_url or settings.read_database_url):
+        return
+
+    def identity(url: str, variable: str):
+        try:
+            with psycopg.connect(conninfo(url, settings), autocommit=True,
+                                 application_name="queen-timers-start-check") as conn:
+                row = conn.execute(_IDENTITY).fetchone()
+                version = conn.execute("SELECT max(version) FROM queen.schema_migrations").fetchone()[0] \
+                    if row[1] is not None else None
+                return row, version
+        except psycopg.Error as exc:
+            mapped = _from_database_error(exc)
+            detail = mapped.detail if mapped is not None else str(exc).strip()
+            raise CliError("timers_unavailable", f"{variable} {_redact(url)}: {detail}") from None
+
+    main, _ = identity(settings.database_url, "QUEEN_DATABASE_URL")
+    if settings.direct_database_url:
+        direct, _ = identity(settings.direct_database_url, "QUEEN_DIRECT_DATABASE_URL")
+        if direct != main:
+            raise CliError("bad_configuration",
+                           f"QUEEN_DIRECT_DATABASE_URL {_redact(settings.direct_database_url)} reaches database "
+                           f"{direct[0]!r}, not the one QUEEN_DATABASE_URL reaches ({main[0]!r} on the same "
+                           "server): the sweeper and retention would work on another database", EXIT_USAGE)
+    if settings.read_database_url:
+        read, version = identity(settings.read_database_url, "QUEEN_READ_DATABASE_URL")
+        if read[0] != main[0] or version is None:
+            raise CliError("bad_configuration",
+                           f"QUEEN_READ_DATABASE_URL {_redact(settings.read_database_url)} reaches database "
+                           f"{read[0]!r}{' without the queen schema' if version is None else ''}, not a copy of "
+                           f"{main[0]!r}: peek and list would read another database", EXIT_USAGE)
+
+
 def _at_database(settings: Settings, exc: Exception) -> Exception:
     """A database failure at start, as its CliError naming the (redacted) URL; exc itself
     when it is not a database error (a bug: raised as it is)."""
@@ -276,6 +323,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if applied:
         logging.getLogger("queen_timers").info("applied migrations %s", applied)
     _check_request_connection(settings)
+    _check_other_urls(settings)
     settings = fit_open_files(settings)  # QUEEN_MAX_CONNECTIONS within RLIMIT_NOFILE
     # httptools (llhttp, C) and uvloop: the request path's parsing and event loop in C
     # (bench/history/2026-12-03-cancel-issue-12.md); server.py keeps the JSON 400 and the 16 KiB head limit

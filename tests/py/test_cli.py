@@ -127,6 +127,45 @@ def test_unreachable_database_is_one_clear_line():
     assert "secret" not in proc.stderr and "Traceback" not in proc.stderr
 
 
+
+def test_serve_checks_the_direct_and_read_urls_before_serving(admin_dsn, database_url):
+    # A direct URL that could not connect, or reached another database, started a broker
+    # that said healthy while its sweeper failed every cycle or fired another database's
+    # timers; an unreachable read URL answered 503 to every peek and list (Dec 7 audit).
+    other = create_database(admin_dsn, "queen_cli_other")
+    empty = create_database(admin_dsn, "queen_cli_empty_read", schema=False)
+    dead = f"postgresql://postgres:secret@127.0.0.1:{free_port()}/nope"
+    cases = [
+        ({"QUEEN_DIRECT_DATABASE_URL": dead}, 1, "timers_unavailable: QUEEN_DIRECT_DATABASE_URL postgresql://postgres:***@"),
+        ({"QUEEN_DIRECT_DATABASE_URL": other}, 2, "bad_configuration: QUEEN_DIRECT_DATABASE_URL"),
+        ({"QUEEN_READ_DATABASE_URL": dead}, 1, "timers_unavailable: QUEEN_READ_DATABASE_URL postgresql://postgres:***@"),
+        ({"QUEEN_READ_DATABASE_URL": empty}, 2, "without the queen schema"),
+    ]
+    for extra, code, said in cases:
+        proc = run("serve", url=database_url, env={"QUEEN_PORT": str(free_port()), **extra})
+        assert proc.returncode == code and said in proc.stderr, (extra, proc.returncode, proc.stderr[-1500:])
+        assert "secret" not in proc.stderr and "Traceback" not in proc.stderr
+    # the same database by both URLs starts (the broker is stopped once healthy)
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("QUEEN_")}
+    env.update(QUEEN_DATABASE_URL=database_url, QUEEN_DIRECT_DATABASE_URL=database_url,
+               QUEEN_READ_DATABASE_URL=database_url, QUEEN_PORT=str(port))
+    proc = subprocess.Popen([sys.executable, "-m", "queen_timers", "serve"], env=env, cwd=ROOT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and proc.poll() is None:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+                break
+            except OSError:
+                time.sleep(0.1)
+        assert proc.poll() is None, proc.stderr.read()
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
 # ---------------------------------------------------------------------------
 # schedule / peek / cancel / list
 # ---------------------------------------------------------------------------
