@@ -22,13 +22,14 @@ import json
 import logging
 import os
 import re
+import socket
 import sys
 from datetime import datetime
 from typing import Any, Callable, Iterable
 from uuid import UUID
 
 from . import __version__, payloads
-from .config import ConfigError, Settings
+from .config import INT32_MAX, INT64_MAX, ConfigError, Settings
 from .errors import SQLSTATE_HTTP, ApiError
 
 EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
@@ -278,6 +279,25 @@ def _check_other_urls(settings: Settings) -> None:
                            f"{main[0]!r}: peek and list would read another database", EXIT_USAGE)
 
 
+def _check_listen(settings: Settings) -> None:
+    """QUEEN_HOST resolves and QUEEN_PORT is free there, before the migrations: a bad host or a
+    port in use failed after them, in uvicorn's words and exit code (3), naming neither."""
+    try:
+        infos = socket.getaddrinfo(settings.host, settings.port, type=socket.SOCK_STREAM,
+                                   flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise CliError("bad_configuration", f"QUEEN_HOST {settings.host!r} does not resolve: {exc.strerror}",
+                       EXIT_USAGE) from None
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        try:
+            probe.bind(address)
+        except OSError as exc:
+            raise CliError("timers_unavailable", f"cannot listen on QUEEN_HOST {settings.host} QUEEN_PORT "
+                           f"{settings.port}: {exc.strerror}") from None
+
+
 def _at_database(settings: Settings, exc: Exception) -> Exception:
     """A database failure at start, as its CliError naming the (redacted) URL; exc itself
     when it is not a database error (a bug: raised as it is)."""
@@ -308,6 +328,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         settings = Settings.from_env(env)
     except ConfigError as exc:
         raise CliError("bad_configuration", str(exc), EXIT_USAGE) from None
+    _check_listen(settings)
     from .migrate import MigrationError
     try:
         # on the primary: the same multi-host rule and bounded connect as every broker connection
@@ -746,8 +767,9 @@ def cmd_dlq(args: argparse.Namespace) -> int:
 # the parser
 # ---------------------------------------------------------------------------
 
-def _int_at_least(minimum: int | None) -> Callable[[str], int]:
-    """An argparse type: an integer, at least minimum (None: any)."""
+def _int_at_least(minimum: int | None, maximum: int = INT64_MAX) -> Callable[[str], int]:
+    """An argparse type: an integer, at least minimum (None: any) and at most maximum
+    (what PostgreSQL takes: past it a bad argument was reported as a database error)."""
     def parse(text: str) -> int:
         try:
             value = int(text)
@@ -755,11 +777,14 @@ def _int_at_least(minimum: int | None) -> Callable[[str], int]:
             raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
         if minimum is not None and value < minimum:
             raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
+        if value > maximum or value < -INT64_MAX - 1:
+            raise argparse.ArgumentTypeError(f"must be <= {maximum}, got {value}")
         return value
     return parse
 
 
-_integer, _nonnegative, _positive = _int_at_least(None), _int_at_least(0), _int_at_least(1)
+_integer, _nonnegative, _positive = _int_at_least(None), _int_at_least(0, INT32_MAX), _int_at_least(1, INT32_MAX)
+_positive_big = _int_at_least(1)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -856,7 +881,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--group", help="only this consumer group")
     p.add_argument("--limit", type=_positive, default=100, help="at most this many, 1..1000 (default: %(default)s)")
     p.add_argument("--offset", type=_nonnegative, default=0)
-    p.add_argument("--max-bytes", type=_positive, default=DLQ_MAX_BYTES,
+    p.add_argument("--max-bytes", type=_positive_big, default=DLQ_MAX_BYTES,
                    help="stop the page once the payloads add up to this many bytes (the first entry always "
                         "comes; default: %(default)s)")
     return parser

@@ -36,12 +36,17 @@ class MigrationError(RuntimeError):
 
 def available(directory: Path | None = None) -> list[tuple[int, str, Path]]:
     directory = directory or SQL_DIR / "migrations"
+    if not directory.is_dir():  # a wrong QUEEN_SQL_DIR: said, not a traceback
+        raise MigrationError(f"no migrations directory at {directory} (QUEEN_SQL_DIR names the folder "
+                             "holding schema/ and migrations/)")
     found = []
     for path in sorted(directory.iterdir()):
         m = _NAME.match(path.name)
         if m:
             found.append((int(m.group(1)), m.group(2), path))
     versions = [v for v, _, _ in found]
+    if not versions:
+        raise MigrationError(f"no migration files in {directory} (QUEEN_SQL_DIR?)")
     if versions != list(range(1, len(versions) + 1)):
         raise MigrationError(f"migrations must be numbered 001, 002, ... without gaps: {versions}")
     return found

@@ -83,6 +83,12 @@ def test_console_script_is_installed():
 @pytest.mark.parametrize("args, message", [
     (["list"], "the following arguments are required: QUEUE"),
     (["list", "q", "--limit", "0"], "must be >= 1"),
+    # past what PostgreSQL takes: a usage error, not "not_migrated" nor a database error (Dec 7 audit)
+    (["list", "q", "--limit", "99999999999"], "must be <= 2147483647"),
+    (["dlq", "--limit", "99999999999"], "must be <= 2147483647"),
+    (["dlq", "--max-bytes", "100000000000000000000000"], "must be <= 9223372036854775807"),
+    (["schedule", "q", "k", "--delay-ms", "99999999999999999999", "--txn", "t", "--payload", "x"],
+     "must be <= 9223372036854775807"),
     (["dlq", "--offset", "x"], "not an integer"),
     (["status", "--bogus"], "unrecognized arguments: --bogus"),
     (["migrate", "frobnicate"], "invalid choice: 'frobnicate'"),
@@ -164,6 +170,27 @@ def test_serve_checks_the_direct_and_read_urls_before_serving(admin_dsn, databas
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+
+def test_serve_says_a_bad_host_a_port_in_use_and_a_wrong_sql_dir(database_url, tmp_path):
+    # each failed with a traceback, or after the migrations in uvicorn's words (Dec 7 audit)
+    busy = socket.socket()
+    busy.bind(("127.0.0.1", 0))
+    busy.listen()
+    try:
+        port = busy.getsockname()[1]
+        proc = run("serve", url=database_url, env={"QUEEN_PORT": str(port)})
+        assert proc.returncode == 1, proc.stderr
+        assert f"timers_unavailable: cannot listen on QUEEN_HOST 127.0.0.1 QUEEN_PORT {port}" in proc.stderr
+    finally:
+        busy.close()
+    proc = run("serve", url=database_url, env={"QUEEN_HOST": "no.such.host.invalid", "QUEEN_PORT": str(free_port())})
+    assert proc.returncode == 2 and "bad_configuration: QUEEN_HOST 'no.such.host.invalid'" in proc.stderr, proc.stderr
+    for args in (["serve"], ["migrate", "status"]):
+        proc = run(*args, url=database_url, env={"QUEEN_SQL_DIR": str(tmp_path), "QUEEN_PORT": str(free_port())})
+        assert proc.returncode == 1 and f"no migrations directory at {tmp_path}/migrations" in proc.stderr, proc.stderr
+        assert "Traceback" not in proc.stderr
 
 
 # ---------------------------------------------------------------------------
