@@ -33,7 +33,9 @@ def _int(env: dict[str, str], name: str, default: int, minimum: int = 0, maximum
     if raw is None or raw == "":
         return default
     try:
-        value = int(raw)
+        if not raw.isascii():  # int() reads any script's digits, and 1_000
+            raise ValueError
+        value = int(raw.replace("_", "x"))
     except ValueError:
         raise ConfigError(f"{name} must be an integer, got {raw!r}") from None
     if value < minimum:
@@ -265,6 +267,9 @@ class Settings:
             raise ConfigError("set QUEEN_JWT_SECRET or QUEEN_JWT_PUBLIC_KEY, not both")
         if settings.jwt_public_key:
             _check_public_key(settings.jwt_public_key)
+        if settings.sweeper_backoff_ms > settings.sweeper_backoff_max_ms:
+            raise ConfigError(f"QUEEN_SWEEPER_BACKOFF_MS ({settings.sweeper_backoff_ms}) must not exceed "
+                              f"QUEEN_SWEEPER_BACKOFF_MAX_MS ({settings.sweeper_backoff_max_ms})")
         if settings.pool_min > settings.pool_max:
             raise ConfigError(f"QUEEN_POOL_MIN ({settings.pool_min}) must not exceed QUEEN_POOL_MAX "
                               f"({settings.pool_max})")

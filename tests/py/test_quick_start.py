@@ -213,7 +213,8 @@ OUT_OF_RANGE = [
 
 @pytest.mark.parametrize("name, over, most", OUT_OF_RANGE, ids=[n for n, _, _ in OUT_OF_RANGE])
 def test_a_value_past_what_it_can_be_stops_the_broker_at_start(name, over, most):
-    url = {"QUEEN_DATABASE_URL": "postgresql://x/y", "QUEEN_BODY_BUDGET_BYTES": str(1 << 50)}
+    url = {"QUEEN_DATABASE_URL": "postgresql://x/y", "QUEEN_BODY_BUDGET_BYTES": str(1 << 50),
+           "QUEEN_SWEEPER_BACKOFF_MAX_MS": "2147483647"}
     with pytest.raises(ConfigError, match=f"{name} must be <= {most}"):
         Settings.from_env({**url, name: over})
     Settings.from_env({**url, name: most})
@@ -242,3 +243,13 @@ def test_inconsistent_pool_and_jwt_keys_stop_the_broker_at_start():
         serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo).decode()
     with pytest.raises(ConfigError, match="EC P-256"):
         Settings.from_env({**jwt, "QUEEN_JWT_PUBLIC_KEY": p384})
+
+
+def test_integers_are_ascii_digits_and_the_backoff_pair_is_ordered():
+    url = {"QUEEN_DATABASE_URL": "postgresql://x/y"}
+    for raw in ("５６２９９", "1_000"):
+        with pytest.raises(ConfigError, match="QUEEN_PORT must be an integer"):
+            Settings.from_env({**url, "QUEEN_PORT": raw})
+    assert Settings.from_env({**url, "QUEEN_PORT": "7000"}).port == 7000
+    with pytest.raises(ConfigError, match=r"QUEEN_SWEEPER_BACKOFF_MS \(400000\) must not exceed"):
+        Settings.from_env({**url, "QUEEN_SWEEPER_BACKOFF_MS": "400000"})
