@@ -659,6 +659,10 @@ CREATE TABLE queen.timers (
     lease_until      timestamptz,
     created_at       timestamptz NOT NULL DEFAULT now(),
     updated_at       timestamptz NOT NULL DEFAULT now(),
+    -- a zstd payload as scheduled, once the leased path has inflated the row in place
+    -- (queen.inflate_timers: payload then holds the bytes to fire, payload_zstd is
+    -- false); peek and list show this one. NULL otherwise.
+    zstd_payload     bytea,
     PRIMARY KEY (tenant, queue, timer_key),
     CONSTRAINT timer_key_not_empty CHECK (timer_key <> ''),
     CONSTRAINT queue_not_empty CHECK (queue <> ''),
@@ -675,6 +679,9 @@ CREATE INDEX timers_zstd_deliver_at_idx ON queen.timers (deliver_at) WHERE paylo
 CREATE INDEX timers_tenant_deliver_at_idx ON queen.timers (tenant, deliver_at) WHERE NOT payload_zstd;
 -- The same for the leased path's shares (queen.claim_timers).
 CREATE INDEX timers_tenant_zstd_deliver_at_idx ON queen.timers (tenant, deliver_at) WHERE payload_zstd;
+-- A plain due row waits for the zstd rows of its partition that matured
+-- before it (queen.fire_due_rows): one descent per candidate, zstd rows only.
+CREATE INDEX timers_zstd_partition_idx ON queen.timers (tenant, queue, partition, deliver_at) WHERE payload_zstd;
 
 -- The payloads of a large batch, streamed in by COPY in the transaction
 -- that then calls schedule_timers(p_staged => batch): the batch's ops then
@@ -1227,7 +1234,7 @@ BEGIN
                 ON CONFLICT (tenant, queue, timer_key) DO UPDATE
                    SET partition = EXCLUDED.partition, deliver_at = EXCLUDED.deliver_at,
                        txn = EXCLUDED.txn, message_id = EXCLUDED.message_id,
-                       payload = EXCLUDED.payload, payload_zstd = EXCLUDED.payload_zstd,
+                       payload = EXCLUDED.payload, payload_zstd = EXCLUDED.payload_zstd, zstd_payload = NULL,
                        encrypted = EXCLUDED.encrypted, producer_sub = EXCLUDED.producer_sub,
                        attempts = 0, failures = 0, last_error = NULL, last_error_class = NULL,
                        claim_id = NULL, claimed_by = NULL, lease_until = NULL,
@@ -1282,7 +1289,7 @@ BEGIN
                 ON CONFLICT (tenant, queue, timer_key) DO UPDATE
                    SET partition = EXCLUDED.partition, deliver_at = EXCLUDED.deliver_at,
                        txn = EXCLUDED.txn, message_id = EXCLUDED.message_id,
-                       payload = EXCLUDED.payload, payload_zstd = EXCLUDED.payload_zstd,
+                       payload = EXCLUDED.payload, payload_zstd = EXCLUDED.payload_zstd, zstd_payload = NULL,
                        encrypted = EXCLUDED.encrypted, producer_sub = EXCLUDED.producer_sub,
                        attempts = 0, failures = 0, last_error = NULL, last_error_class = NULL,
                        claim_id = NULL, claimed_by = NULL, lease_until = NULL,
@@ -1376,7 +1383,8 @@ BEGIN
     END IF;
     RETURN QUERY
     SELECT t.tenant, t.queue, t.timer_key COLLATE "default", t.partition, t.deliver_at, t.txn, t.message_id,
-           t.payload, t.payload_zstd, t.encrypted, t.producer_sub, t.attempts, t.last_error,
+           coalesce(t.zstd_payload, t.payload), t.payload_zstd OR t.zstd_payload IS NOT NULL, t.encrypted,
+           t.producer_sub, t.attempts, t.last_error,
            queen.timer_is_claimed(t.lease_until, coalesce(p_now, now())), t.created_at, t.updated_at
       FROM queen.timers t
      WHERE t.tenant = p_tenant AND t.queue = p_queue AND t.timer_key = p_timer_key;
@@ -1436,7 +1444,8 @@ BEGIN
                max(timer_key) FILTER (WHERE rn = (SELECT n FROM lim)) AS last_key
           FROM page
     )
-    SELECT p.timer_key COLLATE "default", p.partition, p.deliver_at, p.txn, p.message_id, p.payload_zstd, p.encrypted,
+    SELECT p.timer_key COLLATE "default", p.partition, p.deliver_at, p.txn, p.message_id,
+           p.payload_zstd OR p.zstd_payload IS NOT NULL, p.encrypted,
            p.producer_sub, p.attempts, p.last_error,
            queen.timer_is_claimed(p.lease_until, coalesce(p_now, now())), p.created_at, p.updated_at,
            f.truncated, CASE WHEN f.truncated THEN f.last_key END COLLATE "default"
@@ -1959,7 +1968,16 @@ DECLARE
     v_ids  tid[];
     v_out  queen.fire_result[];
     v_rows queen.timers[];
+    v_zstd boolean;
 BEGIN
+    -- A plain row waits while a zstd row of its partition that matured before it is
+    -- still to fire (the leased path inflates that one and fires it in a transaction of
+    -- its own): due rows of one queue and partition enter the log in expiry order, the
+    -- contract's rule (Dec 7 audit: every plain row of a cycle went before its zstd
+    -- ones). Looked for only while some zstd row is due (one descent of
+    -- timers_zstd_deliver_at_idx a batch); each candidate then one descent of
+    -- timers_zstd_partition_idx.
+    v_zstd := EXISTS (SELECT 1 FROM queen.timers z WHERE z.payload_zstd AND z.deliver_at <= v_now);
     -- Two statements: the rows chosen and locked (one of two plain ones),
     -- then deleted by ctid and fired. One statement with both choices as a
     -- UNION ALL planned both at every call: +0.3 ms a batch, which the
@@ -1971,6 +1989,10 @@ BEGIN
                  WHERE t.deliver_at <= v_now
                    AND NOT t.payload_zstd
                    AND NOT queen.timer_is_claimed(t.lease_until, v_now)
+                   AND (NOT v_zstd OR NOT EXISTS (
+                        SELECT 1 FROM queen.timers z
+                         WHERE z.payload_zstd AND z.tenant = t.tenant AND z.queue = t.queue
+                           AND z.partition = t.partition AND z.deliver_at < t.deliver_at))
                  ORDER BY t.deliver_at
                  LIMIT greatest(p_limit, 0)
                    FOR UPDATE SKIP LOCKED) o;
@@ -1984,6 +2006,10 @@ BEGIN
                    AND (t.tenant, t.deliver_at) <= (tn.tenant, v_now)
                    AND NOT t.payload_zstd
                    AND NOT queen.timer_is_claimed(t.lease_until, v_now)
+                   AND (NOT v_zstd OR NOT EXISTS (
+                        SELECT 1 FROM queen.timers z
+                         WHERE z.payload_zstd AND z.tenant = t.tenant AND z.queue = t.queue
+                           AND z.partition = t.partition AND z.deliver_at < t.deliver_at))
                  ORDER BY t.tenant, t.deliver_at
                  LIMIT greatest(p_share, 0)
                    FOR UPDATE SKIP LOCKED) s;
@@ -2181,6 +2207,44 @@ BEGIN
     INSERT INTO queen.tenant_usage_deltas (tenant, pending_delta)
     SELECT o.tenant, -count(*) FROM unnest(v_out) o GROUP BY o.tenant;
     RETURN QUERY SELECT * FROM unnest(v_out);
+END
+$$;
+
+-- The leased path's end for a zstd timer (the sweeper's): the broker inflated its
+-- payload (and sealed it again when its queue encrypts), and the row becomes an
+-- ordinary due row holding those bytes, its claim released. queen.fire_due_timers
+-- then fires it with the plain rows of its partition in one transaction, in expiry
+-- order (migration 036: fired apart, a cycle's zstd frames went after all its plain
+-- ones, even those due later). The bytes as scheduled stay for peek and list
+-- (zstd_payload). A frame without bytes, or whose row is not a zstd row still held
+-- by p_claim_id, answers 'lost' and changes nothing. Answers 'inflated' or 'lost'
+-- per frame (queen.fire_result, the other columns NULL).
+CREATE FUNCTION queen.inflate_timers(
+    p_claim_id uuid,
+    p_frames   queen.fire_frame[],
+    p_now      timestamptz DEFAULT NULL)
+RETURNS SETOF queen.fire_result
+LANGUAGE plpgsql SET plan_cache_mode = force_custom_plan SET lock_timeout = '50ms' AS $$
+DECLARE
+    v_now timestamptz := coalesce(p_now, now());
+BEGIN
+    RETURN QUERY
+    WITH f AS (
+        SELECT DISTINCT ON (x.tenant, x.queue, x.timer_key) x.* FROM unnest(p_frames) x
+    ), done AS (
+        UPDATE queen.timers t
+           SET zstd_payload = t.payload, payload = f.payload, payload_zstd = false,
+               claim_id = NULL, claimed_by = NULL, lease_until = NULL
+          FROM f
+         WHERE (t.tenant, t.queue, t.timer_key) = (f.tenant, f.queue, f.timer_key)
+           AND f.payload IS NOT NULL AND t.payload_zstd
+           AND t.claim_id = p_claim_id AND queen.timer_is_claimed(t.lease_until, v_now)
+        RETURNING t.tenant, t.queue, t.timer_key
+    )
+    SELECT f.tenant, f.queue, f.timer_key,
+           CASE WHEN d.timer_key IS NULL THEN 'lost' ELSE 'inflated' END,
+           NULL::uuid, NULL::uuid, NULL::timestamptz, NULL::timestamptz
+      FROM f LEFT JOIN done d ON (d.tenant, d.queue, d.timer_key) = (f.tenant, f.queue, f.timer_key);
 END
 $$;
 
@@ -3757,5 +3821,6 @@ INSERT INTO queen.schema_migrations (version, name) VALUES
     (32, 'dlq_tenant'),
     (33, 'ack_batch_nack'),
     (34, 'hostile_arguments'),
-    (35, 'empty_batch_gates');
+    (35, 'empty_batch_gates'),
+    (36, 'fire_partition_order');
 COMMIT;

@@ -7,8 +7,10 @@ Each cycle:
      with the redo path;
   2. leased path: queen.claim_timers (at most QUEEN_SWEEPER_BATCH rows and
      QUEEN_SWEEPER_BATCH_BYTES stored bytes) -> inflate zstd payloads (bounded) ->
-     queen.fire_timers(claim_id, frames), called again whenever the inflated
-     frames held reach QUEEN_SWEEPER_BATCH_BYTES;
+     queen.inflate_timers(claim_id, frames), called again whenever the inflated
+     frames held reach QUEEN_SWEEPER_BATCH_BYTES: the rows now hold the bytes to
+     fire, and the next cycle's fast path fires them with the plain rows of their
+     partitions, in expiry order (migration 036);
   3. when a batch raises, isolate: fire the claimed rows one by one and call
      queen.fail_timer for the ones that fail, classified by SQLSTATE
      (transient: back off, no attempt spent; permanent/config: spend one);
@@ -63,6 +65,15 @@ CLAIM = (f"SELECT c.*, {TURN} FROM queen.claim_timers(%s, %s, %s, p_zstd_only =>
 # the frames travel as four parallel arrays (no composite type to register on the connection)
 FIRE = lag_summary_sql("""
 SELECT * FROM queen.fire_timers(
+    %s, (SELECT array_agg(ROW(f.tenant, f.queue, f.timer_key, f.payload)::queen.fire_frame)
+           FROM unnest(%s::text[], %s::text[], %s::text[], %s::bytea[]) AS f(tenant, queue, timer_key, payload)))
+""")
+# The leased path's end (migration 036): the inflated bytes go into their rows, and the
+# fast path fires them with the plain rows of their partitions, in expiry order (fired
+# apart, a cycle's zstd frames went after all its plain ones). Its outcomes are
+# 'inflated' or 'lost'.
+INFLATE = lag_summary_sql("""
+SELECT * FROM queen.inflate_timers(
     %s, (SELECT array_agg(ROW(f.tenant, f.queue, f.timer_key, f.payload)::queen.fire_frame)
            FROM unnest(%s::text[], %s::text[], %s::text[], %s::bytea[]) AS f(tenant, queue, timer_key, payload)))
 """)
@@ -276,7 +287,7 @@ class Sweeper:
         claim_id = rows[0]["claim_id"]
         blocked: set[str] = set()
         chunk: list[tuple[dict, tuple]] = []
-        held = 0
+        held = inflated = 0
         for i, row in enumerate(rows):
             rows[i] = None  # the stored bytes go as soon as the frame is built
             try:
@@ -291,23 +302,27 @@ class Sweeper:
             chunk.append(item)
             held += len(frame[3]) if frame[3] is not None else 0
             if held >= max_bytes:
-                await self._fire_chunk(claim_id, chunk)
+                inflated += await self._inflate_chunk(claim_id, chunk)
                 chunk, held = [], 0
         if chunk:
-            await self._fire_chunk(claim_id, chunk)
-        return len(rows), full
+            inflated += await self._inflate_chunk(claim_id, chunk)
+        # rows inflated are due rows of the fast path now: the next cycle comes at once
+        return len(rows), full or inflated > 0
 
-    async def _fire_chunk(self, claim_id, chunk: list[tuple[dict, tuple]]) -> None:
-        """fire_timers for one chunk of built frames; when it raises, the chunk's rows one by one."""
+    async def _inflate_chunk(self, claim_id, chunk: list[tuple[dict, tuple]]) -> int:
+        """inflate_timers for one chunk of built frames (how many it inflated); when it raises,
+        the chunk's rows are fired one by one instead (fire_timers), as before migration 036."""
         try:
-            self.metrics.observe_fires(await self._fire(claim_id, [f for _, f in chunk]))
-            return
+            summary = await self._fire(claim_id, [f for _, f in chunk], INFLATE)
+            self.metrics.observe_fires(summary)  # its 'lost' ones
+            return summary["n"] - summary["lost"]
         except Exception as exc:
             if _lost_primary(self._conn, exc):
                 raise
-            log.warning("sweeper %s: fire_timers batch of %d failed (%s); isolating row by row",
+            log.warning("sweeper %s: inflate_timers batch of %d failed (%s); firing row by row",
                         self.settings.broker_id, len(chunk), _error_text(exc))
         await self._fire_frames_one_by_one(claim_id, chunk)
+        return 0
 
     async def _fire_frames_one_by_one(self, claim_id, frames: list[tuple[dict, tuple]],
                                       blocked: set[str] | None = None) -> None:
@@ -385,9 +400,9 @@ class Sweeper:
         log_fn("sweeper %s: timer %s/%s failed (%s): %s -> %s", s.broker_id, row["queue"], row["timer_key"],
                cls, error, verdict)
 
-    async def _fire(self, claim_id, frames: list[tuple]) -> dict:
+    async def _fire(self, claim_id, frames: list[tuple], sql: str = FIRE) -> dict:
         cols = list(zip(*frames))
-        rows = await self._fetch(FIRE, (claim_id, list(cols[0]), list(cols[1]), list(cols[2]), list(cols[3])))
+        rows = await self._fetch(sql, (claim_id, list(cols[0]), list(cols[1]), list(cols[2]), list(cols[3])))
         return rows[0]
 
     async def _fetch(self, sql: str, params: tuple) -> list[dict]:

@@ -35,6 +35,10 @@ CREATE TABLE queen.timers (
     lease_until      timestamptz,
     created_at       timestamptz NOT NULL DEFAULT now(),
     updated_at       timestamptz NOT NULL DEFAULT now(),
+    -- a zstd payload as scheduled, once the leased path has inflated the row in place
+    -- (queen.inflate_timers: payload then holds the bytes to fire, payload_zstd is
+    -- false); peek and list show this one. NULL otherwise.
+    zstd_payload     bytea,
     PRIMARY KEY (tenant, queue, timer_key),
     CONSTRAINT timer_key_not_empty CHECK (timer_key <> ''),
     CONSTRAINT queue_not_empty CHECK (queue <> ''),
@@ -51,6 +55,9 @@ CREATE INDEX timers_zstd_deliver_at_idx ON queen.timers (deliver_at) WHERE paylo
 CREATE INDEX timers_tenant_deliver_at_idx ON queen.timers (tenant, deliver_at) WHERE NOT payload_zstd;
 -- The same for the leased path's shares (queen.claim_timers).
 CREATE INDEX timers_tenant_zstd_deliver_at_idx ON queen.timers (tenant, deliver_at) WHERE payload_zstd;
+-- A plain due row waits for the zstd rows of its partition that matured
+-- before it (queen.fire_due_rows): one descent per candidate, zstd rows only.
+CREATE INDEX timers_zstd_partition_idx ON queen.timers (tenant, queue, partition, deliver_at) WHERE payload_zstd;
 
 -- The payloads of a large batch, streamed in by COPY in the transaction
 -- that then calls schedule_timers(p_staged => batch): the batch's ops then
@@ -603,7 +610,7 @@ BEGIN
                 ON CONFLICT (tenant, queue, timer_key) DO UPDATE
                    SET partition = EXCLUDED.partition, deliver_at = EXCLUDED.deliver_at,
                        txn = EXCLUDED.txn, message_id = EXCLUDED.message_id,
-                       payload = EXCLUDED.payload, payload_zstd = EXCLUDED.payload_zstd,
+                       payload = EXCLUDED.payload, payload_zstd = EXCLUDED.payload_zstd, zstd_payload = NULL,
                        encrypted = EXCLUDED.encrypted, producer_sub = EXCLUDED.producer_sub,
                        attempts = 0, failures = 0, last_error = NULL, last_error_class = NULL,
                        claim_id = NULL, claimed_by = NULL, lease_until = NULL,
@@ -658,7 +665,7 @@ BEGIN
                 ON CONFLICT (tenant, queue, timer_key) DO UPDATE
                    SET partition = EXCLUDED.partition, deliver_at = EXCLUDED.deliver_at,
                        txn = EXCLUDED.txn, message_id = EXCLUDED.message_id,
-                       payload = EXCLUDED.payload, payload_zstd = EXCLUDED.payload_zstd,
+                       payload = EXCLUDED.payload, payload_zstd = EXCLUDED.payload_zstd, zstd_payload = NULL,
                        encrypted = EXCLUDED.encrypted, producer_sub = EXCLUDED.producer_sub,
                        attempts = 0, failures = 0, last_error = NULL, last_error_class = NULL,
                        claim_id = NULL, claimed_by = NULL, lease_until = NULL,
@@ -752,7 +759,8 @@ BEGIN
     END IF;
     RETURN QUERY
     SELECT t.tenant, t.queue, t.timer_key COLLATE "default", t.partition, t.deliver_at, t.txn, t.message_id,
-           t.payload, t.payload_zstd, t.encrypted, t.producer_sub, t.attempts, t.last_error,
+           coalesce(t.zstd_payload, t.payload), t.payload_zstd OR t.zstd_payload IS NOT NULL, t.encrypted,
+           t.producer_sub, t.attempts, t.last_error,
            queen.timer_is_claimed(t.lease_until, coalesce(p_now, now())), t.created_at, t.updated_at
       FROM queen.timers t
      WHERE t.tenant = p_tenant AND t.queue = p_queue AND t.timer_key = p_timer_key;
@@ -812,7 +820,8 @@ BEGIN
                max(timer_key) FILTER (WHERE rn = (SELECT n FROM lim)) AS last_key
           FROM page
     )
-    SELECT p.timer_key COLLATE "default", p.partition, p.deliver_at, p.txn, p.message_id, p.payload_zstd, p.encrypted,
+    SELECT p.timer_key COLLATE "default", p.partition, p.deliver_at, p.txn, p.message_id,
+           p.payload_zstd OR p.zstd_payload IS NOT NULL, p.encrypted,
            p.producer_sub, p.attempts, p.last_error,
            queen.timer_is_claimed(p.lease_until, coalesce(p_now, now())), p.created_at, p.updated_at,
            f.truncated, CASE WHEN f.truncated THEN f.last_key END COLLATE "default"

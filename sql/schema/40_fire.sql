@@ -512,7 +512,16 @@ DECLARE
     v_ids  tid[];
     v_out  queen.fire_result[];
     v_rows queen.timers[];
+    v_zstd boolean;
 BEGIN
+    -- A plain row waits while a zstd row of its partition that matured before it is
+    -- still to fire (the leased path inflates that one and fires it in a transaction of
+    -- its own): due rows of one queue and partition enter the log in expiry order, the
+    -- contract's rule (Dec 7 audit: every plain row of a cycle went before its zstd
+    -- ones). Looked for only while some zstd row is due (one descent of
+    -- timers_zstd_deliver_at_idx a batch); each candidate then one descent of
+    -- timers_zstd_partition_idx.
+    v_zstd := EXISTS (SELECT 1 FROM queen.timers z WHERE z.payload_zstd AND z.deliver_at <= v_now);
     -- Two statements: the rows chosen and locked (one of two plain ones),
     -- then deleted by ctid and fired. One statement with both choices as a
     -- UNION ALL planned both at every call: +0.3 ms a batch, which the
@@ -524,6 +533,10 @@ BEGIN
                  WHERE t.deliver_at <= v_now
                    AND NOT t.payload_zstd
                    AND NOT queen.timer_is_claimed(t.lease_until, v_now)
+                   AND (NOT v_zstd OR NOT EXISTS (
+                        SELECT 1 FROM queen.timers z
+                         WHERE z.payload_zstd AND z.tenant = t.tenant AND z.queue = t.queue
+                           AND z.partition = t.partition AND z.deliver_at < t.deliver_at))
                  ORDER BY t.deliver_at
                  LIMIT greatest(p_limit, 0)
                    FOR UPDATE SKIP LOCKED) o;
@@ -537,6 +550,10 @@ BEGIN
                    AND (t.tenant, t.deliver_at) <= (tn.tenant, v_now)
                    AND NOT t.payload_zstd
                    AND NOT queen.timer_is_claimed(t.lease_until, v_now)
+                   AND (NOT v_zstd OR NOT EXISTS (
+                        SELECT 1 FROM queen.timers z
+                         WHERE z.payload_zstd AND z.tenant = t.tenant AND z.queue = t.queue
+                           AND z.partition = t.partition AND z.deliver_at < t.deliver_at))
                  ORDER BY t.tenant, t.deliver_at
                  LIMIT greatest(p_share, 0)
                    FOR UPDATE SKIP LOCKED) s;
@@ -734,6 +751,44 @@ BEGIN
     INSERT INTO queen.tenant_usage_deltas (tenant, pending_delta)
     SELECT o.tenant, -count(*) FROM unnest(v_out) o GROUP BY o.tenant;
     RETURN QUERY SELECT * FROM unnest(v_out);
+END
+$$;
+
+-- The leased path's end for a zstd timer (the sweeper's): the broker inflated its
+-- payload (and sealed it again when its queue encrypts), and the row becomes an
+-- ordinary due row holding those bytes, its claim released. queen.fire_due_timers
+-- then fires it with the plain rows of its partition in one transaction, in expiry
+-- order (migration 036: fired apart, a cycle's zstd frames went after all its plain
+-- ones, even those due later). The bytes as scheduled stay for peek and list
+-- (zstd_payload). A frame without bytes, or whose row is not a zstd row still held
+-- by p_claim_id, answers 'lost' and changes nothing. Answers 'inflated' or 'lost'
+-- per frame (queen.fire_result, the other columns NULL).
+CREATE FUNCTION queen.inflate_timers(
+    p_claim_id uuid,
+    p_frames   queen.fire_frame[],
+    p_now      timestamptz DEFAULT NULL)
+RETURNS SETOF queen.fire_result
+LANGUAGE plpgsql SET plan_cache_mode = force_custom_plan SET lock_timeout = '50ms' AS $$
+DECLARE
+    v_now timestamptz := coalesce(p_now, now());
+BEGIN
+    RETURN QUERY
+    WITH f AS (
+        SELECT DISTINCT ON (x.tenant, x.queue, x.timer_key) x.* FROM unnest(p_frames) x
+    ), done AS (
+        UPDATE queen.timers t
+           SET zstd_payload = t.payload, payload = f.payload, payload_zstd = false,
+               claim_id = NULL, claimed_by = NULL, lease_until = NULL
+          FROM f
+         WHERE (t.tenant, t.queue, t.timer_key) = (f.tenant, f.queue, f.timer_key)
+           AND f.payload IS NOT NULL AND t.payload_zstd
+           AND t.claim_id = p_claim_id AND queen.timer_is_claimed(t.lease_until, v_now)
+        RETURNING t.tenant, t.queue, t.timer_key
+    )
+    SELECT f.tenant, f.queue, f.timer_key,
+           CASE WHEN d.timer_key IS NULL THEN 'lost' ELSE 'inflated' END,
+           NULL::uuid, NULL::uuid, NULL::timestamptz, NULL::timestamptz
+      FROM f LEFT JOIN done d ON (d.tenant, d.queue, d.timer_key) = (f.tenant, f.queue, f.timer_key);
 END
 $$;
 

@@ -37,4 +37,5 @@ INSERT INTO queen.schema_migrations (version, name) VALUES
     (32, 'dlq_tenant'),
     (33, 'ack_batch_nack'),
     (34, 'hostile_arguments'),
-    (35, 'empty_batch_gates');
+    (35, 'empty_batch_gates'),
+    (36, 'fire_partition_order');

@@ -54,6 +54,23 @@ def test_zstd_timers_are_delivered_decompressed(sdb, sweeper_broker):
     assert sample(s, "queen_timers_fired_total", outcome="fired") == 6
 
 
+def test_zstd_and_plain_timers_of_one_partition_enter_the_log_in_expiry_order(sdb, sweeper_broker):
+    # The contract: two timers of one queue and partition maturing in one cycle enter the log in
+    # expiry order. The fast path fired every plain row of a cycle before the leased path's zstd
+    # rows, even one due later (Dec 7 audit; migration 036).
+    sweeper_broker(QUEEN_BROKER_ID="order-broker")
+    sdb.execute("SELECT queen.pause_fire()")
+    schedule(sdb, [timer("oq", "plain-first", -30, b"1"), timer("oq", "zstd-second", -20, b"2", compressed=True),
+                   timer("oq", "plain-third", -10, b"3"), timer("oq", "zstd-fourth", -5, b"4", compressed=True),
+                   timer("oq", "elsewhere", -25, b"x", partition="other")])
+    sdb.execute("SELECT queen.resume_fire()")  # all five mature in the cycle the resume wakes
+    wait_until(lambda: timer_count(sdb) == 0, 10, message="all fired")
+    order = [r["transaction_id"] for r in sdb.execute(
+        "SELECT m.transaction_id FROM queen.messages m JOIN queen.partitions p ON p.id = m.partition_id "
+        "WHERE p.name = 'Default' ORDER BY m.xid, m.seq").fetchall()]
+    assert order == ["txn-oq-plain-first", "txn-oq-zstd-second", "txn-oq-plain-third", "txn-oq-zstd-fourth"]
+
+
 def test_leased_path_bounded_by_bytes_fires_everything_once(sdb, sweeper_broker):
     # QUEEN_SWEEPER_BATCH_BYTES=6000: the claim stops once the stored bytes before a row reach it
     # (the stored zstd payloads are a few dozen bytes, so claims of many rows), and the inflated
