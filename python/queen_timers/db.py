@@ -70,7 +70,6 @@ class _QuietDiscard(logging.Filter):
 logging.getLogger("psycopg.pool").addFilter(_QuietDiscard())
 
 
-
 def find_sql_dir() -> Path:
     """Where sql/ (schema/ and migrations/) is: QUEEN_SQL_DIR when set; else the copy a
     wheel carries inside the package (queen_timers/sql, see setup.py); else the
