@@ -515,12 +515,12 @@ DECLARE
     v_zstd boolean;
 BEGIN
     -- A plain row waits while a zstd row of its partition that matured before it is
-    -- still to fire (the leased path inflates that one and fires it in a transaction of
-    -- its own): due rows of one queue and partition enter the log in expiry order, the
-    -- contract's rule (Dec 7 audit: every plain row of a cycle went before its zstd
-    -- ones). Looked for only while some zstd row is due (one descent of
-    -- timers_zstd_deliver_at_idx a batch); each candidate then one descent of
-    -- timers_zstd_partition_idx.
+    -- still to be inflated (the leased path inflates it in place, queen.inflate_timers,
+    -- and a later batch fires it with the rows after it): due rows of one queue and
+    -- partition enter the log in expiry order, the contract's rule (Dec 7 audit: every
+    -- plain row of a cycle went before its zstd ones). Looked for only while some zstd
+    -- row is due (one descent of timers_zstd_deliver_at_idx a batch); each candidate
+    -- then one descent of timers_zstd_partition_idx.
     v_zstd := EXISTS (SELECT 1 FROM queen.timers z WHERE z.payload_zstd AND z.deliver_at <= v_now);
     -- Two statements: the rows chosen and locked (one of two plain ones),
     -- then deleted by ctid and fired. One statement with both choices as a

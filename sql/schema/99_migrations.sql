@@ -38,4 +38,5 @@ INSERT INTO queen.schema_migrations (version, name) VALUES
     (33, 'ack_batch_nack'),
     (34, 'hostile_arguments'),
     (35, 'empty_batch_gates'),
-    (36, 'fire_partition_order');
+    (36, 'fire_partition_order'),
+    (37, 'fire_order_comment');
