@@ -29,8 +29,9 @@ from typing import Any, Callable, Iterable
 from uuid import UUID
 
 from . import __version__, payloads
-from .config import INT32_MAX, INT64_MAX, ConfigError, Settings
+from .config import ConfigError, Settings
 from .errors import SQLSTATE_HTTP, ApiError
+from .limits import INT32_MAX, INT64_MAX, INT64_MIN
 
 EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
 TIMER_DLQ_GROUP = "__QUEEN_TIMERS__"
@@ -777,7 +778,7 @@ def _int_at_least(minimum: int | None, maximum: int = INT64_MAX) -> Callable[[st
             raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
         if minimum is not None and value < minimum:
             raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
-        if value > maximum or value < -INT64_MAX - 1:
+        if value > maximum or value < INT64_MIN:
             raise argparse.ArgumentTypeError(f"must be <= {maximum}, got {value}")
         return value
     return parse

@@ -13,6 +13,7 @@ import psycopg
 from psycopg.conninfo import conninfo_to_dict
 
 from .bodies import LOG_WEIGHT, POP_WEIGHT, TIMERS_WEIGHT, default_max_body_bytes, heaviest_request
+from .limits import INT32_MAX, INT64_MAX
 
 
 class ConfigError(ValueError):
@@ -50,10 +51,9 @@ def _int(env: dict[str, str], name: str, default: int, minimum: int = 0, maximum
 # refuses the same p_horizon_ms)
 MAX_HORIZON_MS = 3_155_760_000_000
 # Values PostgreSQL takes as integer (a sweeper's batch, lease, attempts and backoffs;
-# statement_timeout) or bigint: past them every sweeper cycle failed (42883: no such
-# function for a numeric argument), or every request (Dec 7 configuration audit).
-INT32_MAX = 2_147_483_647
-INT64_MAX = 9_223_372_036_854_775_807
+# statement_timeout) or bigint are held to INT32_MAX / INT64_MAX: past them every sweeper
+# cycle failed (42883: no such function for a numeric argument), or every request (Dec 7
+# configuration audit).
 MAX_TIMER_OPS = 10_000         # a batch, as a push's items (the default body cap grows with it)
 MAX_POP_BYTES = 1 << 30        # a pop answer's payloads; the DLQ page's bigint argument too
 MAX_JWT_LEEWAY_S = 3600        # more would serve tokens long expired: exp is required
@@ -63,21 +63,17 @@ MAX_POOL = 1000                # each connection a PostgreSQL backend and open f
 def _check_public_key(text: str) -> None:
     """QUEEN_JWT_PUBLIC_KEY is a public key (PEM or OpenSSH) of a type a token can be
     signed with: RSA (RS256), EC P-256 (ES256), Ed25519 or Ed448 (EdDSA). Anything else
-    started a broker that refused every token."""
-    from cryptography.exceptions import UnsupportedAlgorithm
-    from cryptography.hazmat.primitives import serialization
-    from cryptography.hazmat.primitives.asymmetric import ec, ed448, ed25519, rsa
-    for load in (serialization.load_pem_public_key, serialization.load_ssh_public_key):
-        try:
-            key = load(text.encode())
-        except (ValueError, UnsupportedAlgorithm):
-            continue
-        if isinstance(key, (rsa.RSAPublicKey, ed25519.Ed25519PublicKey, ed448.Ed448PublicKey)) or (
-                isinstance(key, ec.EllipticCurvePublicKey) and isinstance(key.curve, ec.SECP256R1)):
-            return
+    started a broker that refused every token. Read as the broker reads it
+    (auth.load_public_key; imported here, as auth imports this module)."""
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    from .auth import load_public_key
+    key = load_public_key(text)
+    if key is None:
+        raise ConfigError("QUEEN_JWT_PUBLIC_KEY is not a public key (PEM or OpenSSH) of RSA, EC, Ed25519 or "
+                          "Ed448: a private key, a certificate or other text is refused")
+    if isinstance(key, ec.EllipticCurvePublicKey) and not isinstance(key.curve, ec.SECP256R1):
         raise ConfigError("QUEEN_JWT_PUBLIC_KEY must be an RSA, EC P-256, Ed25519 or Ed448 public key")
-    raise ConfigError("QUEEN_JWT_PUBLIC_KEY is not a public key (PEM or OpenSSH): a private key, "
-                      "a certificate or other text is refused")
 
 
 def tenant_share(total: int, auth: str) -> int:

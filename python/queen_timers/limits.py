@@ -20,6 +20,7 @@ MAX_LOG_NAME_BYTES = 255  # consumerGroup, namespace, task
 # an integer query parameter is held to a SQL integer's range before it is sent (psycopg
 # sends a larger one as bigint or numeric, which no function signature takes: a 500)
 INT32_MIN, INT32_MAX = -(2 ** 31), 2 ** 31 - 1
+INT64_MIN, INT64_MAX = -(2 ** 63), 2 ** 63 - 1
 
 LIMITS: dict[str, int] = {
     "queue": MAX_QUEUE_BYTES,

@@ -38,7 +38,7 @@ from .bodies import (PAYLOAD_CEILING_BYTES, SMALL_BODY_BYTES, TENANT_KEY, read_j
                      weigh_fetched)
 from .convertors import RawRoute, path_param
 from .errors import ApiError, bad_request, from_exception, query_int, query_param
-from .limits import INT32_MAX, INT32_MIN, MAX_PARTITION_BYTES, MAX_QUEUE_BYTES, MAX_TIMER_KEY_BYTES, MAX_TXN_BYTES, check_name
+from .limits import INT32_MAX, INT32_MIN, INT64_MAX, INT64_MIN, MAX_PARTITION_BYTES, MAX_QUEUE_BYTES, MAX_TIMER_KEY_BYTES, MAX_TXN_BYTES, check_name
 from .openapi import openapi_endpoint
 
 log = logging.getLogger("queen_timers.timers")
@@ -64,7 +64,6 @@ FIELDS: dict[str, tuple[str, ...]] = {
 FIELD_NAMES = frozenset(FIELDS)
 # the ops that some field does not apply to (cancel): only theirs are checked field by field
 NARROW_OPS = frozenset(op for op in OPS if any(op not in ops for ops in FIELDS.values()))
-INT64_MIN, INT64_MAX = -(2 ** 63), 2 ** 63 - 1
 
 # The ops travel as ten parallel arrays in binary format (%b), built in bulk by
 # db.binary_array (psycopg's own dump of a list runs element by element in
@@ -487,9 +486,8 @@ async def _ladder_first(conn, ops: list[dict], principal, settings) -> None:
     travels as its size alone (raw_size), as a staged batch's does."""
     sized = [o if o["op"] == "cancel" else
              {**o, "payload": b"", "raw_size": max(len(o["payload"]), o["raw_size"] or 0)} for o in ops]
-    params = _with_settings(_schedule_params(sized), principal.tenant, principal.sub, settings)
     async with conn.transaction(force_rollback=True):
-        await conn.execute(GATES_SQL, params)
+        await conn.execute(GATES_SQL, _schedule_call(sized, principal.tenant, principal.sub, settings))
 
 
 def _encrypt_ops(ops: list[dict], encrypting: set[str], key: bytes | None) -> None:

@@ -63,20 +63,14 @@ BLOCKED_ERROR = ("a frame of this tenant waited past 50 ms on another transactio
 CLAIM = (f"SELECT c.*, {TURN} FROM queen.claim_timers(%s, %s, %s, p_zstd_only => %s, p_max_bytes => %s,"
          " p_turn => %s) c")
 # the frames travel as four parallel arrays (no composite type to register on the connection)
-FIRE = lag_summary_sql("""
-SELECT * FROM queen.fire_timers(
-    %s, (SELECT array_agg(ROW(f.tenant, f.queue, f.timer_key, f.payload)::queen.fire_frame)
-           FROM unnest(%s::text[], %s::text[], %s::text[], %s::bytea[]) AS f(tenant, queue, timer_key, payload)))
-""")
+FRAMES = """(SELECT array_agg(ROW(f.tenant, f.queue, f.timer_key, f.payload)::queen.fire_frame)
+           FROM unnest(%s::text[], %s::text[], %s::text[], %s::bytea[]) AS f(tenant, queue, timer_key, payload))"""
+FIRE = lag_summary_sql(f"SELECT * FROM queen.fire_timers(%s, {FRAMES})")
 # The leased path's end (migration 036): the inflated bytes go into their rows, and the
 # fast path fires them with the plain rows of their partitions, in expiry order (fired
 # apart, a cycle's zstd frames went after all its plain ones). Its outcomes are
 # 'inflated' or 'lost'.
-INFLATE = lag_summary_sql("""
-SELECT * FROM queen.inflate_timers(
-    %s, (SELECT array_agg(ROW(f.tenant, f.queue, f.timer_key, f.payload)::queen.fire_frame)
-           FROM unnest(%s::text[], %s::text[], %s::text[], %s::bytea[]) AS f(tenant, queue, timer_key, payload)))
-""")
+INFLATE = lag_summary_sql(f"SELECT * FROM queen.inflate_timers(%s, {FRAMES})")
 FAIL = "SELECT queen.fail_timer(%s, %s, %s, %s, %s, %s, %s, %s, %s) AS verdict"
 FOLD = "SELECT queen.fold_pending_deltas(%s) AS n"
 FOLD_EVERY_S = 1.0  # at most this often per broker

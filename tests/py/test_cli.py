@@ -9,6 +9,7 @@ import base64
 import json
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -18,7 +19,7 @@ from pathlib import Path
 import pytest
 import zstandard
 
-from conftest import ROOT, create_database, free_port
+from conftest import ROOT, create_database, free_port, start_broker
 from queen_timers import cli, payloads
 
 KEY_HEX = "00112233445566778899aabbccddeeff" * 2
@@ -134,7 +135,7 @@ def test_unreachable_database_is_one_clear_line():
 
 
 
-def test_serve_checks_the_direct_and_read_urls_before_serving(admin_dsn, database_url):
+def test_serve_checks_the_direct_and_read_urls_before_serving(admin_dsn, database_url, tmp_path):
     # A direct URL that could not connect, or reached another database, started a broker
     # that said healthy while its sweeper failed every cycle or fired another database's
     # timers; an unreachable read URL answered 503 to every peek and list (Dec 7 audit).
@@ -151,25 +152,10 @@ def test_serve_checks_the_direct_and_read_urls_before_serving(admin_dsn, databas
         proc = run("serve", url=database_url, env={"QUEEN_PORT": str(free_port()), **extra})
         assert proc.returncode == code and said in proc.stderr, (extra, proc.returncode, proc.stderr[-1500:])
         assert "secret" not in proc.stderr and "Traceback" not in proc.stderr
-    # the same database by both URLs starts (the broker is stopped once healthy)
-    port = free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("QUEEN_")}
-    env.update(QUEEN_DATABASE_URL=database_url, QUEEN_DIRECT_DATABASE_URL=database_url,
-               QUEEN_READ_DATABASE_URL=database_url, QUEEN_PORT=str(port))
-    proc = subprocess.Popen([sys.executable, "-m", "queen_timers", "serve"], env=env, cwd=ROOT,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    try:
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and proc.poll() is None:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
-                break
-            except OSError:
-                time.sleep(0.1)
-        assert proc.poll() is None, proc.stderr.read()
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+    # the same database by both URLs starts, and is healthy (then stopped)
+    broker = start_broker(database_url, tmp_path, QUEEN_DIRECT_DATABASE_URL=database_url,
+                          QUEEN_READ_DATABASE_URL=database_url)
+    broker.kill(signal.SIGTERM)
 
 
 
