@@ -5,6 +5,10 @@
 Load, all over HTTP, split between two brokers on one database:
   - `rate` schedules per second (default 1,000) of new timers, each due 5 s later, in POST
     /api/v1/timers batches 20 times a second, over 8 partitions of one queue;
+  - a quarter of them with a zstd payload (payloadZstd: keys 1 and 3 of every 10, 7 of every 20),
+    so the sweeper's leased path (inflate in place, then fire with the plain rows of the
+    partition, migration 036) runs all along; every popped frame's data is checked against its
+    key's schedule;
   - 10 % of them (key % 10 == 3) rescheduled 2 s after their schedule was answered, to 4 s from then
     (a new txn, so the old and the new frame can be told apart);
   - 10 % of them (key % 10 == 7) cancelled 2 s after their schedule was answered (3 s before due);
@@ -45,6 +49,7 @@ from datetime import datetime
 
 import httpx
 import psycopg
+import zstandard
 
 from harness import Broker, Cluster, connect, log, pct, start_broker, wait_until
 from pgbouncer import Pgbouncer
@@ -62,6 +67,17 @@ CONSUMERS_PER_BROKER = 2
 POP_BATCH = 1000
 MAX_IN_FLIGHT = 16  # POSTs in flight; at the limit the generator waits (and the minute line shows the rate fall)
 PAYLOAD = base64.b64encode(b'{"soak":1}').decode()
+# a quarter of the schedules carry a zstd payload (payloadZstd): the sweeper's leased path inflates
+# them in place and a later cycle fires them with the plain rows of their partition (migration 036).
+# Their frames say {"soak":2}: every popped frame's data is checked against its key's schedule.
+ZSTD_PAYLOAD = base64.b64encode(zstandard.ZstdCompressor().compress(b'{"soak":2}')).decode()
+DATA_PLAIN, DATA_ZSTD = {"soak": 1}, {"soak": 2}
+
+
+def _zstd(i: int) -> bool:
+    """Key i's schedule is zstd: 1 and 3 of every 10 (3 is rescheduled, to a plain payload) and
+    one cancel in two (7 of every 20)."""
+    return i % 10 in (1, 3) or i % 20 == 7
 
 # sched[i]: fate of key i's schedule op
 S_NONE, S_OK, S_FAILED, S_OTHER = 0, 1, 2, 3
@@ -116,7 +132,7 @@ class State:
         self.sent = 0  # keys whose schedule was sent
         # counters, cumulative (the minute line prints differences)
         self.c = {"sched_ok": 0, "follow_ok": 0, "ops_sent": 0, "posts": 0, "post_fail": 0, "ops_failed": 0,
-                  "popped": 0, "pops": 0, "pop_fail": 0, "acked": 0, "ack_fail": 0, "unknown_frames": 0,
+                  "popped": 0, "pops": 0, "pop_fail": 0, "acked": 0, "ack_fail": 0, "unknown_frames": 0, "bad_data": 0,
                   "too_late": 0, "cancelled": 0, "absent": 0, "post_ms_max": 0.0}
         self.post_ms: list[float] = []  # POST latencies of the current minute
 
@@ -216,8 +232,11 @@ class Soak:
                         st.sent += 1
                         owed -= 1
                         ops.append(("s", i))
-                        body.append({"op": "schedule", "queue": QUEUE, "timerKey": _key(i), "delayMs": DELAY_MS,
-                                     "txn": _txn(i, 0), "payload": PAYLOAD, "partition": f"p{i % PARTS}"})
+                        op = {"op": "schedule", "queue": QUEUE, "timerKey": _key(i), "delayMs": DELAY_MS,
+                              "txn": _txn(i, 0), "payload": PAYLOAD, "partition": f"p{i % PARTS}"}
+                        if _zstd(i):
+                            op.update(payload=ZSTD_PAYLOAD, payloadZstd=True)
+                        body.append(op)
                 while self.follow_q and self.follow_q[0][0] <= now and len(body) < 250:
                     _, kind, i = self.follow_q.pop(0)
                     ops.append((kind, i))
@@ -272,6 +291,9 @@ class Soak:
                         d = st.deliv[p[1]]
                         if d[p[0]] < 255:
                             d[p[0]] += 1
+                        # variant 0 is the schedule's payload, variant 1 the reschedule's (plain)
+                        if m.get("data") != (DATA_ZSTD if p[1] == 0 and _zstd(p[0]) else DATA_PLAIN):
+                            st.c["bad_data"] += 1
                     keys.append(p)
                     acks.append({"transactionId": m["transactionId"], "partitionId": m["partitionId"],
                                  "leaseId": m["leaseId"], "status": "completed"})
@@ -415,7 +437,7 @@ class Soak:
     def run(self) -> None:
         m, rate = self.minutes, self.rate
         w5, w20, wr = windows(m)
-        log(f"\n== soak: {m} min, {rate} schedules/s over HTTP (10 % rescheduled, 10 % cancelled) on 2 brokers, "
+        log(f"\n== soak: {m} min, {rate} schedules/s over HTTP (25 % zstd, 10 % rescheduled, 10 % cancelled) on 2 brokers, "
             f"{CONSUMERS_PER_BROKER * 2} consumers popping and acking, retention every {RETENTION_INTERVAL_MS} ms "
             f"(completedRetentionSeconds {SOAK_KEEP_S}), autovacuum at its defaults; set-up {self.setup} ==")
         if self.setup != "direct":
@@ -598,10 +620,12 @@ class Soak:
             log(f"  VmRSS: no sample at minute {wr} -> MISSED")
         f = self.fate(conn)
         c = self.st.c
-        ok_fate = f["neither"] == 0 and f["both"] == 0 and f["duplicated"] == 0 and f["delivered_unaccepted"] == 0
+        ok_fate = (f["neither"] == 0 and f["both"] == 0 and f["duplicated"] == 0 and f["delivered_unaccepted"] == 0
+                   and c["bad_data"] == 0 and c["unknown_frames"] == 0)
         log(f"  HTTP: {c['posts']} POSTs, {c['ops_sent']} ops sent, {c['post_fail']} POSTs failed "
             f"({c['ops_failed']} ops); pops {c['pops']} (failed {c['pop_fail']}), frames popped {c['popped']}, "
-            f"acked {c['acked']} (failed {c['ack_fail']}), unknown frames {c['unknown_frames']}")
+            f"acked {c['acked']} (failed {c['ack_fail']}), unknown frames {c['unknown_frames']}, frames whose data "
+            f"is not their schedule's {c['bad_data']}")
         log(f"  fate: {f['keys_sent']} schedules sent, {f['accepted']} accepted ({f['not_accepted']} not: failed "
             f"requests); delivered exactly once {f['delivered_once']}, cancelled {f['cancelled']}, too_late "
             f"{f['too_late']} (delivered), absent at cancel {f['absent_after_fire']}, rescheduled {f['rescheduled']} "
@@ -610,7 +634,8 @@ class Soak:
             f"popped again after a failed ack (the log's at-least-once delivery, not a second fire) "
             f"{f['popped_again_after_a_failed_ack']}")
         log(f"  never both and never neither: neither {f['neither']}, both {f['both']}, duplicated "
-            f"{f['duplicated']}, delivered without an accepted schedule {f['delivered_unaccepted']} -> "
+            f"{f['duplicated']}, delivered without an accepted schedule {f['delivered_unaccepted']}, wrong data "
+            f"{c['bad_data']}, unknown frames {c['unknown_frames']} -> "
             f"{'met' if ok_fate else 'MISSED'}")
         for e in f["examples"]:
             log(f"    {e}")
