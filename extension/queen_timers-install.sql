@@ -261,6 +261,11 @@ BEGIN
     IF p_rate IS NULL OR p_ops <= 0 THEN
         RETURN;
     END IF;
+    -- an infinite instant would be stored (every later refill of the bucket fails) (migration 038)
+    IF NOT isfinite(v_now) THEN
+        RAISE EXCEPTION 'timers_bad_request' USING ERRCODE = 'QTBAD',
+            DETAIL = format('p_now must be a finite time, got %s', v_now);
+    END IF;
     INSERT INTO queen.rate_buckets AS b (tenant, tokens, refilled_at)
     VALUES (p_tenant, v_burst, v_now)
     ON CONFLICT (tenant) DO UPDATE
@@ -271,10 +276,11 @@ BEGIN
 
     IF v_tokens < least(p_ops, v_burst) THEN
         v_wait := ceil((least(p_ops, v_burst) - v_tokens) / p_rate);
+        -- a bucket in debt (a batch larger than the burst went through) has 0 available
         RAISE EXCEPTION 'rate_limited'
             USING ERRCODE = 'QTRAT',
                   DETAIL  = format('tenant %s asked for %s operations; %s available at %s per second',
-                                   p_tenant, p_ops, floor(v_tokens), p_rate),
+                                   p_tenant, p_ops, greatest(floor(v_tokens), 0), p_rate),
                   HINT    = format('retry_after_seconds=%s', greatest(1, v_wait));
     END IF;
     UPDATE queen.rate_buckets SET tokens = tokens - p_ops WHERE tenant = p_tenant;
@@ -1736,6 +1742,11 @@ DECLARE
     v_in      text[];
     v_tenants text[];
 BEGIN
+    -- an infinite instant would be stored (a claim held forever: its timers would never fire) (migration 038)
+    IF NOT isfinite(v_now) THEN
+        RAISE EXCEPTION 'timers_bad_request' USING ERRCODE = 'QTBAD',
+            DETAIL = format('p_now must be a finite time, got %s', v_now);
+    END IF;
     IF p_turn IS NOT NULL THEN  -- the caller's turn, not this session's (find_due_tenants)
         PERFORM set_config('queen.fire_turn', p_turn, false);
     END IF;
@@ -2765,6 +2776,11 @@ BEGIN
     IF NOT (queen.log_name_fits(p_queue) AND queen.log_name_fits(p_partition)) THEN
         RAISE EXCEPTION 'timers_bad_request' USING ERRCODE = 'QTBAD',
             DETAIL = 'queue and partition names are at most 255 bytes';
+    END IF;
+    -- an infinite instant would be stored (a lease that never ends: its frames would never be delivered again) (migration 038)
+    IF NOT isfinite(v_now) THEN
+        RAISE EXCEPTION 'timers_bad_request' USING ERRCODE = 'QTBAD',
+            DETAIL = format('p_now must be a finite time, got %s', v_now);
     END IF;
     SELECT * INTO q FROM queen.queues WHERE tenant = p_tenant AND name = p_queue;
     IF NOT FOUND THEN
@@ -3823,5 +3839,6 @@ INSERT INTO queen.schema_migrations (version, name) VALUES
     (34, 'hostile_arguments'),
     (35, 'empty_batch_gates'),
     (36, 'fire_partition_order'),
-    (37, 'fire_order_comment');
+    (37, 'fire_order_comment'),
+    (38, 'finite_clock');
 COMMIT;

@@ -175,6 +175,11 @@ BEGIN
     IF p_rate IS NULL OR p_ops <= 0 THEN
         RETURN;
     END IF;
+    -- an infinite instant would be stored (every later refill of the bucket fails) (migration 038)
+    IF NOT isfinite(v_now) THEN
+        RAISE EXCEPTION 'timers_bad_request' USING ERRCODE = 'QTBAD',
+            DETAIL = format('p_now must be a finite time, got %s', v_now);
+    END IF;
     INSERT INTO queen.rate_buckets AS b (tenant, tokens, refilled_at)
     VALUES (p_tenant, v_burst, v_now)
     ON CONFLICT (tenant) DO UPDATE
@@ -185,10 +190,11 @@ BEGIN
 
     IF v_tokens < least(p_ops, v_burst) THEN
         v_wait := ceil((least(p_ops, v_burst) - v_tokens) / p_rate);
+        -- a bucket in debt (a batch larger than the burst went through) has 0 available
         RAISE EXCEPTION 'rate_limited'
             USING ERRCODE = 'QTRAT',
                   DETAIL  = format('tenant %s asked for %s operations; %s available at %s per second',
-                                   p_tenant, p_ops, floor(v_tokens), p_rate),
+                                   p_tenant, p_ops, greatest(floor(v_tokens), 0), p_rate),
                   HINT    = format('retry_after_seconds=%s', greatest(1, v_wait));
     END IF;
     UPDATE queen.rate_buckets SET tokens = tokens - p_ops WHERE tenant = p_tenant;

@@ -280,6 +280,11 @@ DECLARE
     v_in      text[];
     v_tenants text[];
 BEGIN
+    -- an infinite instant would be stored (a claim held forever: its timers would never fire) (migration 038)
+    IF NOT isfinite(v_now) THEN
+        RAISE EXCEPTION 'timers_bad_request' USING ERRCODE = 'QTBAD',
+            DETAIL = format('p_now must be a finite time, got %s', v_now);
+    END IF;
     IF p_turn IS NOT NULL THEN  -- the caller's turn, not this session's (find_due_tenants)
         PERFORM set_config('queen.fire_turn', p_turn, false);
     END IF;

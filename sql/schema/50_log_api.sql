@@ -413,6 +413,11 @@ BEGIN
         RAISE EXCEPTION 'timers_bad_request' USING ERRCODE = 'QTBAD',
             DETAIL = 'queue and partition names are at most 255 bytes';
     END IF;
+    -- an infinite instant would be stored (a lease that never ends: its frames would never be delivered again) (migration 038)
+    IF NOT isfinite(v_now) THEN
+        RAISE EXCEPTION 'timers_bad_request' USING ERRCODE = 'QTBAD',
+            DETAIL = format('p_now must be a finite time, got %s', v_now);
+    END IF;
     SELECT * INTO q FROM queen.queues WHERE tenant = p_tenant AND name = p_queue;
     IF NOT FOUND THEN
         RETURN;

@@ -39,4 +39,5 @@ INSERT INTO queen.schema_migrations (version, name) VALUES
     (34, 'hostile_arguments'),
     (35, 'empty_batch_gates'),
     (36, 'fire_partition_order'),
-    (37, 'fire_order_comment');
+    (37, 'fire_order_comment'),
+    (38, 'finite_clock');

@@ -1,7 +1,7 @@
 -- The refusals of schedule_timers: shape (QTBAD) and every rung of the
 -- gate ladder, in order, each with its SQLSTATE; a refused batch writes nothing.
 BEGIN;
-SELECT plan(59);
+SELECT plan(60);
 
 CREATE FUNCTION pg_temp.t0() RETURNS timestamptz LANGUAGE sql AS $$ SELECT '2030-01-01 00:00:00+00'::timestamptz $$;
 CREATE FUNCTION pg_temp.op(p_op text, p_queue text, p_key text, p_delay bigint DEFAULT 1000,
@@ -24,6 +24,16 @@ BEGIN
     RETURN 'no error';
 EXCEPTION WHEN OTHERS THEN
     GET STACKED DIAGNOSTICS v = PG_EXCEPTION_HINT;
+    RETURN v;
+END $$;
+
+CREATE FUNCTION pg_temp.detail_of(p_sql text) RETURNS text LANGUAGE plpgsql AS $$
+DECLARE v text;
+BEGIN
+    EXECUTE p_sql;
+    RETURN 'no error';
+EXCEPTION WHEN OTHERS THEN
+    GET STACKED DIAGNOSTICS v = PG_EXCEPTION_DETAIL;
     RETURN v;
 END $$;
 
@@ -103,6 +113,8 @@ SELECT lives_ok($$SELECT * FROM pg_temp.sched(ARRAY[pg_temp.op('cancel', 'q', 'a
                 'a batch larger than the burst passes on a full bucket');
 SELECT is(pg_temp.hint_of($$SELECT * FROM pg_temp.sched(ARRAY[pg_temp.op('cancel', 'q', 'a')], 'initech', true, NULL, pg_temp.t0() + interval '10 seconds')$$),
           'retry_after_seconds=1', '... and leaves it in debt');
+SELECT is(pg_temp.detail_of($$SELECT * FROM pg_temp.sched(ARRAY[pg_temp.op('cancel', 'q', 'a')], 'initech', true, NULL, pg_temp.t0() + interval '10 seconds')$$),
+          'tenant initech asked for 1 operations; 0 available at 2 per second', '... which has 0 available (not -1)');
 UPDATE queen.plans SET rate_ops_per_second = NULL WHERE plan = 'pro';
 
 -- ---------------------------------------------------------------- 5. quota: QTQUO (pro: 3 pending)
