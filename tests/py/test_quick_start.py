@@ -24,7 +24,7 @@ import httpx
 import psycopg
 import pytest
 
-from conftest import ROOT, free_port
+from conftest import ROOT, create_database, free_port
 from queen_timers.config import ConfigError, Settings
 
 README = ROOT / "README.md"
@@ -52,9 +52,9 @@ def json_documents(text: str) -> list:
 class MakeRun:
     """`make -s run` in `checkout`, its output collected, stopped with SIGTERM to its group."""
 
-    def __init__(self, checkout: Path, pg_port: int, http_port: int):
+    def __init__(self, checkout: Path, pg_port: int, http_port: int, **extra: str):
         env = {k: v for k, v in os.environ.items() if not k.startswith("QUEEN_")}
-        env.update(QUEEN_PG_PORT=str(pg_port), QUEEN_PORT=str(http_port), QUEEN_PG_FSYNC="off")
+        env.update(QUEEN_PG_PORT=str(pg_port), QUEEN_PORT=str(http_port), QUEEN_PG_FSYNC="off", **extra)
         self.url = f"http://127.0.0.1:{http_port}"
         self.lines: list[str] = []
         self.proc = subprocess.Popen(["make", "-s", "run"], cwd=checkout, env=env, stdout=subprocess.PIPE,
@@ -163,6 +163,31 @@ def test_make_run_then_the_readmes_try_it_block(fresh_checkout):
         again.stop()
 
 
+def test_make_run_with_queen_database_url_uses_that_database_and_creates_no_cluster(fresh_checkout, admin_dsn):
+    """The README: "Set QUEEN_DATABASE_URL to use any other PostgreSQL instead", and make run
+    says which it reaches. A database with no schema yet gets it at start; the password in
+    the URL is not printed; no embedded cluster is created."""
+    url = create_database(admin_dsn, "quick_start_url", schema=False)
+    info = psycopg.conninfo.conninfo_to_dict(url)
+    with_password = f"postgresql://{info['user']}:s3cret@{info['host']}:{info['port']}/{info['dbname']}"
+    run = MakeRun(fresh_checkout, free_port(), free_port(), QUEEN_DATABASE_URL=with_password)
+    try:
+        run.wait_healthy()
+        masked = f"postgresql://{info['user']}:***@{info['host']}:{info['port']}/{info['dbname']}"
+        assert f"PostgreSQL: {masked} (QUEEN_DATABASE_URL; no embedded cluster)" in run.lines, run.lines
+        assert not any("s3cret" in line for line in run.lines)
+        with httpx.Client(base_url=run.url) as c:
+            r = c.post("/api/v1/timers", json={"operations": [
+                {"op": "schedule", "queue": "reminders", "timerKey": "elsewhere", "delayMs": 3_600_000,
+                 "txn": "elsewhere-v1", "payload": "e30="}]})
+            assert r.status_code == 200 and r.json()["results"][0]["status"] == "scheduled", r.text
+        with psycopg.connect(url) as conn:
+            assert conn.execute("SELECT count(*) FROM queen.timers WHERE timer_key = 'elsewhere'").fetchone()[0] == 1
+    finally:
+        run.stop()
+    assert not (fresh_checkout / ".queen").exists()
+
+
 def test_the_readmes_default_ports_are_the_codes(fresh_checkout):
     """The quick start promises a broker on :6632 over a cluster on QUEEN_PG_PORT 6640. The
     test above runs on free ports; this one asks the code itself, with no QUEEN_* set: the
@@ -224,6 +249,9 @@ def test_inconsistent_pool_and_jwt_keys_stop_the_broker_at_start():
     url = {"QUEEN_DATABASE_URL": "postgresql://x/y"}
     with pytest.raises(ConfigError, match=r"QUEEN_POOL_MIN \(20\) must not exceed QUEEN_POOL_MAX \(10\)"):
         Settings.from_env({**url, "QUEEN_POOL_MIN": "20"})
+    with pytest.raises(ConfigError, match="QUEEN_SWEEPER_MIN_SLEEP_MS must not exceed QUEEN_SWEEPER_MAX_SLEEP_MS"):
+        Settings.from_env({**url, "QUEEN_SWEEPER_MIN_SLEEP_MS": "1001"})
+    assert Settings.from_env({**url, "QUEEN_SWEEPER_MIN_SLEEP_MS": "1000"}).sweeper_min_sleep_ms == 1000
     jwt = {**url, "QUEEN_AUTH": "jwt"}
     with pytest.raises(ConfigError, match="not both"):
         Settings.from_env({**jwt, "QUEEN_JWT_SECRET": "s" * 32, "QUEEN_JWT_PUBLIC_KEY": "x"})

@@ -383,3 +383,30 @@ def test_a_tenant_claim_over_255_bytes_is_401_and_one_at_255_is_served(jwt_clien
                         headers=bearer(tenant=at_limit))
     assert r.status_code == 200, r.text
     assert db.execute("SELECT tenant FROM queen.timers").fetchone()["tenant"] == at_limit
+
+
+@pytest.mark.parametrize("kind, fmt, alg", [("ed25519", "openssh", "EdDSA"), ("rsa", "openssh", "RS256"),
+                                            ("ed448", "pem", "EdDSA")])
+def test_an_openssh_or_ed448_public_key_verifies_its_tokens_and_no_other(monkeypatch, kind, fmt, alg):
+    """QUEEN_JWT_PUBLIC_KEY as docs/configuration.md gives it: a PEM, or an OpenSSH public key
+    line (`ssh-ed25519 AAAA...`), of RSA, EC P-256, Ed25519 or Ed448. The key's own token is
+    served; another key's of the same type is 401."""
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ed448, ed25519, rsa
+
+    from queen_timers import auth
+
+    def private():
+        return {"rsa": lambda: rsa.generate_private_key(public_exponent=65537, key_size=2048),
+                "ed25519": ed25519.Ed25519PrivateKey.generate, "ed448": ed448.Ed448PrivateKey.generate}[kind]()
+    key, other = private(), private()
+    text = (key.public_key().public_bytes(serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH).decode()
+            if fmt == "openssh" else pem_of(key))
+    assert text.startswith("ssh-" if fmt == "openssh" else "-----BEGIN PUBLIC KEY-----")
+    a, check, _ = counting_authenticator(monkeypatch, jwt_public_key=text)
+    assert a.public_key is not None
+    claims = {"sub": "billing-service", "tenant": "globex", "role": "read-only", "exp": int(time.time()) + 600}
+    assert check(jwt.encode(claims, key, algorithm=alg)) == auth.Principal(tenant="globex", sub="billing-service",
+                                                                          role="read-only")
+    found = check(jwt.encode(claims, other, algorithm=alg))
+    assert isinstance(found, auth.ApiError) and found.status == 401, found
