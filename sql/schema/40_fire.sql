@@ -870,6 +870,10 @@ $$;
 -- Replay one of the tenant's DLQ rows into its partition as a new frame
 -- (new message id, transaction id '<original>#replay-<dlq id>'), deleting
 -- the DLQ row. Another tenant's row is not found (QTNFD), like an unknown id.
+-- The transaction id stays within the log's 255 bytes, or the replayed frame
+-- could be popped but never acked (migration 039): a replay of a replay
+-- replaces the earlier '#replay-<id>' instead of adding one, and an original
+-- longer than 211 bytes is cut (on a character boundary) to fit the suffix.
 -- A timer's dead letter is refused with QTRPL: its frame never had a
 -- consumer group, and republishing it into a phantom group has no
 -- defined meaning.
@@ -879,6 +883,7 @@ LANGUAGE plpgsql AS $$
 DECLARE
     d      queen.dead_letter_queue;
     v_id   uuid := queen.uuid_v7();
+    v_base text;
 BEGIN
     SELECT dl.* INTO d
       FROM queen.dead_letter_queue dl
@@ -894,8 +899,13 @@ BEGIN
             USING ERRCODE = 'QTRPL',
                   DETAIL = 'a timer''s dead letter never had a consumer group and its offset is not a position; schedule a new timer instead';
     END IF;
+    -- '#replay-' and a uuid take 44 bytes of the 255
+    v_base := left(regexp_replace(d.transaction_id, '#replay-[0-9a-f]{8}(-[0-9a-f]{4}){3}-[0-9a-f]{12}$', ''), 211);
+    WHILE octet_length(v_base) > 211 LOOP
+        v_base := left(v_base, -1);
+    END LOOP;
     INSERT INTO queen.messages (id, transaction_id, partition_id, payload, is_encrypted, producer_sub)
-    VALUES (v_id, d.transaction_id || '#replay-' || d.id, d.partition_id, d.payload, d.is_encrypted, d.producer_sub);
+    VALUES (v_id, v_base || '#replay-' || d.id, d.partition_id, d.payload, d.is_encrypted, d.producer_sub);
     DELETE FROM queen.dead_letter_queue WHERE id = p_dlq_id;
     RETURN v_id;
 END

@@ -40,4 +40,5 @@ INSERT INTO queen.schema_migrations (version, name) VALUES
     (35, 'empty_batch_gates'),
     (36, 'fire_partition_order'),
     (37, 'fire_order_comment'),
-    (38, 'finite_clock');
+    (38, 'finite_clock'),
+    (39, 'log_replay_and_txn_acks');

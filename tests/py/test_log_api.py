@@ -191,6 +191,57 @@ def test_pop_is_204_when_empty_and_long_poll_returns_a_late_message(client, db):
     assert pop(client, "empty", partition="Default") is None
 
 
+def test_an_ack_batch_item_may_name_its_own_consumer_group(client, db):
+    # docs/log-surface.md: an item's consumerGroup applies to it instead of the body's
+    push(client, *({"queue": "groups", "payload": i, "transactionId": f"g{i}"} for i in range(2)))
+    audit = pop(client, "groups", consumerGroup="audit", batch=2)
+    plain = pop(client, "groups", batch=2)
+    def item(m, lease, **group):
+        return {"transactionId": m["transactionId"], "partitionId": m["partitionId"], "leaseId": lease, **group}
+
+    r = client.post("/api/v1/ack/batch", json={"consumerGroup": "audit", "acknowledgments": [
+        item(audit["messages"][0], audit["leaseId"]),
+        item(plain["messages"][0], plain["leaseId"], consumerGroup="__QUEUE_MODE__")]})
+    assert r.status_code == 200 and [x["success"] for x in r.json()] == [True, True], r.text
+    # each group's cursor moved to g0 and no further
+
+    def cursor(group):
+        return db.execute("SELECT m.transaction_id FROM queen.partition_consumers pc JOIN queen.messages m "
+                          "ON (m.xid, m.seq) = (pc.last_consumed_xid, pc.last_consumed_seq) "
+                          "WHERE pc.consumer_group = %s", (group,)).fetchone()["transaction_id"]
+    assert (cursor("audit"), cursor("__QUEUE_MODE__")) == ("g0", "g0")
+
+
+def test_pop_and_ack_details_the_reference_states(client, db):
+    """docs/log-surface.md's smaller rules of pop and ack, each against the database clock."""
+    from datetime import datetime, timedelta
+
+    def at(iso):
+        return datetime.fromisoformat(iso.replace("Z", "+00:00"))
+
+    configure(client, "lt0", leaseTime=0)
+    push(client, *({"queue": "lt0", "payload": i, "transactionId": f"l{i}"} for i in range(3)))
+    now = db.execute("SELECT now() AS t").fetchone()["t"]
+    # batch=0 is clamped to 1; leaseTime 0 means a lease of 60 s, said in leaseExpiresAt
+    first = pop(client, "lt0", batch=0, subscriptionMode="new", subscriptionFrom="now", partitions=4)
+    assert [m["transactionId"] for m in first["messages"]] == ["l0"]  # the subscription options change nothing
+    held = at(first["leaseExpiresAt"]) - now
+    assert timedelta(seconds=59) < held < timedelta(seconds=65), held
+    # "success" is a synonym of "completed": the cursor moves to l0 and the lease is released
+    done = ack(client, first["messages"][0], "success")
+    assert done["success"] is True and done["leaseReleased"] is True, done
+    # an ack of a message already behind the cursor changes nothing
+    before = db.execute("SELECT last_consumed_seq, lease_id FROM queen.partition_consumers").fetchall()
+    again = ack(client, {**first["messages"][0], "leaseId": None}, "dlq")
+    assert again["success"] is True and again["dlq"] is False, again
+    assert db.execute("SELECT last_consumed_seq, lease_id FROM queen.partition_consumers").fetchall() == before
+    assert db.execute("SELECT count(*) AS n FROM queen.dead_letter_queue").fetchone()["n"] == 0
+    # autoAck: no lease (leaseId ""), the cursor moved at once
+    auto = pop(client, "lt0", batch=1, autoAck="true")
+    assert auto["leaseId"] == "" and [m["transactionId"] for m in auto["messages"]] == ["l1"]
+    assert [m["transactionId"] for m in pop(client, "lt0", batch=5)["messages"]] == ["l2"]
+
+
 def test_lease_held_partition_is_not_handed_to_another_consumer(client, db):
     push(client, *({"queue": "work", "payload": i, "transactionId": f"m{i}"} for i in range(3)))
     a = pop(client, "work", batch=1)

@@ -207,6 +207,58 @@ def test_transaction_pushes_and_acks_atomically(target):
     drive(target, scenario)
 
 
+def test_a_batch_nacked_then_acked_as_a_list_in_a_transaction(target):
+    # client.transaction().ack(messages, status) adds one ack operation per message. Before
+    # migration 039 each was its own ack_messages call: the first failed ack released the
+    # batch's lease and the second was refused, so the transaction failed and the client
+    # raised; completed acks listed out of log order failed the same way once the last
+    # message's ack had released the lease (Dec 7 log-surface audit).
+    async def scenario(client):
+        await _configure(client, "tbatches", retry_limit=3, lease_time=60)
+        await client.queue("tbatches").push([{"data": {"n": i}, "transactionId": f"t-{i}"} for i in range(3)])
+        first = await client.queue("tbatches").batch(3).wait(True).timeout_millis(5000).pop()
+        assert [m["transactionId"] for m in first] == ["t-0", "t-1", "t-2"]
+        res = await client.transaction().ack(first, "failed").commit()
+        assert res["success"] is True, res
+        again = await client.queue("tbatches").batch(3).wait(True).timeout_millis(5000).pop()
+        assert [m["transactionId"] for m in again] == ["t-0", "t-1", "t-2"]  # the batch came back whole
+        res = await client.transaction().ack(list(reversed(again))).commit()
+        assert res["success"] is True, res
+        assert await client.queue("tbatches").batch(3).wait(False).pop() == []
+        assert (await client.admin.get_message(again[0]["partitionId"], "t-0"))["status"] == "completed"
+
+    drive(target, scenario)
+
+
+def test_acks_under_a_named_consumer_group_leave_the_other_groups_alone(target):
+    # a consumer group has its own cursor: client.queue(q).group(g).pop(), then
+    # client.ack(msg, ..., {"group": g}) (one and batch); the queue-mode consumer
+    # still gets every message, and a failed ack in the group redelivers to it alone
+    async def scenario(client):
+        await _configure(client, "fanout", retry_limit=3, lease_time=60)
+        await client.queue("fanout").push([{"data": {"n": i}, "transactionId": f"f-{i}"} for i in range(3)])
+        audit = client.queue("fanout").group("audit")
+        got = await audit.batch(2).wait(True).timeout_millis(5000).pop()
+        assert [m["transactionId"] for m in got] == ["f-0", "f-1"]
+        acked = await client.ack(got[0], True, {"group": "audit"})
+        assert acked["success"] is True, acked
+        nacked = await client.ack(got[1], False, {"group": "audit"})
+        assert nacked["success"] is True, nacked
+        # without the group the ack is the queue mode's: no lease there, refused
+        refused = await client.ack(got[1], True)
+        assert refused["success"] is False, refused
+        back = await audit.batch(3).wait(True).timeout_millis(5000).pop()
+        assert [m["transactionId"] for m in back] == ["f-1", "f-2"]  # f-0 stays consumed in audit
+        batch = await client.ack(back, True, {"group": "audit"})
+        assert batch["success"] is True, batch
+        assert await audit.batch(3).wait(False).pop() == []
+        # the queue mode's own cursor never moved
+        plain = await client.queue("fanout").batch(3).wait(True).timeout_millis(5000).pop()
+        assert [m["transactionId"] for m in plain] == ["f-0", "f-1", "f-2"]
+
+    drive(target, scenario)
+
+
 # ---------------------------------------------------------------------------
 # renew: lease extend (POST /api/v1/lease/:leaseId/extend)
 # ---------------------------------------------------------------------------

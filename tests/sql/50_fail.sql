@@ -1,8 +1,9 @@
 -- fail_timer: transient failures cost no attempt, permanent and config
 -- spend one, backoff is exponential and capped, the DLQ after max
--- attempts; replay_dlq_entry refuses a timer's dead letter (QTRPL).
+-- attempts; replay_dlq_entry refuses a timer's dead letter (QTRPL) and keeps a
+-- replayed frame's transaction id within 255 bytes (migration 039).
 BEGIN;
-SELECT plan(33);
+SELECT plan(38);
 
 CREATE FUNCTION pg_temp.t0() RETURNS timestamptz LANGUAGE sql AS $$ SELECT '2030-01-01 00:00:00+00'::timestamptz $$;
 CREATE FUNCTION pg_temp.at(p_seconds numeric) RETURNS timestamptz LANGUAGE sql AS $$ SELECT pg_temp.t0() + p_seconds * interval '1 second' $$;
@@ -74,6 +75,26 @@ SELECT results_eq($$SELECT m.transaction_id, m.payload, p.name FROM queen.messag
                   $$SELECT 'order-7#replay-' || dlq_id, '\x6f37'::bytea, 'p1' FROM replayed$$,
                   'the replayed frame is in the partition with a derived transaction id');
 SELECT is((SELECT count(*) FROM queen.dead_letter_queue WHERE consumer_group = 'workers'), 0::bigint, 'the replayed DLQ row is gone');
+
+-- a replayed frame's transaction id stays within the log's 255 bytes (an ack refuses a longer one)
+CREATE FUNCTION pg_temp.replay_of(p_txn text) RETURNS text LANGUAGE plpgsql AS $$
+DECLARE v_dlq uuid; v_msg uuid;
+BEGIN
+    INSERT INTO queen.dead_letter_queue (message_id, partition_id, consumer_group, transaction_id, payload, error_message, retry_count)
+    SELECT gen_random_uuid(), partition_id, 'workers', p_txn, '\x6f37', 'consumer gave up', 3
+      FROM queen.dead_letter_queue LIMIT 1
+    RETURNING id INTO v_dlq;
+    v_msg := queen.replay_dlq_entry('acme', v_dlq);
+    RETURN (SELECT transaction_id FROM queen.messages WHERE id = v_msg);
+END $$;
+SELECT is(octet_length(pg_temp.replay_of(repeat('t', 255))), 255, 'an id of 255 bytes replays within 255 bytes');
+SELECT matches(pg_temp.replay_of(repeat('t', 255)), '^t{211}#replay-[0-9a-f-]{36}$', '... cut to 211 bytes and the suffix');
+SELECT ok(pg_temp.replay_of(repeat('é', 127)) ~ '^é{105}#replay-[0-9a-f-]{36}$',
+          'a multibyte id is cut on a character boundary (105 x 2 bytes, not 211)');
+SELECT matches(pg_temp.replay_of(pg_temp.replay_of(pg_temp.replay_of('order-8'))), '^order-8#replay-[0-9a-f-]{36}$',
+               'a replay of a replay replaces the earlier suffix instead of adding one');
+SELECT is((SELECT count(*) FROM queen.messages WHERE octet_length(transaction_id) > 255), 0::bigint,
+          'no frame in the log has a transaction id past 255 bytes');
 
 -- a DLQ with max attempts 1: the first permanent failure dead-letters (a zstd timer this time)
 SELECT lives_ok($$SELECT * FROM queen.schedule_timers('acme', ARRAY[ROW('schedule', 'dq', 'k', 0, 'txn-k2', '\x00', NULL, true, NULL, NULL)::queen.timer_op],

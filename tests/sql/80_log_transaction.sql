@@ -1,7 +1,8 @@
 -- queen.execute_transaction (pushes and acks, all or nothing, tenant-scoped)
 -- and queen.extend_lease (tenant-scoped, never shortens, unknown / expired).
+-- A run of consecutive acks is one ack_messages call (migration 039).
 BEGIN;
-SELECT plan(29);
+SELECT plan(36);
 
 CREATE FUNCTION pg_temp.t0() RETURNS timestamptz LANGUAGE sql AS $$ SELECT '2030-01-01 00:00:00+00'::timestamptz $$;
 CREATE FUNCTION pg_temp.at(p_seconds numeric) RETURNS timestamptz LANGUAGE sql AS $$ SELECT pg_temp.t0() + p_seconds * interval '1 second' $$;
@@ -95,6 +96,39 @@ SELECT is((SELECT lease_expires_at FROM queen.partition_consumers WHERE partitio
 SELECT results_eq($$SELECT success, error FROM queen.extend_lease('acme', 'not-a-lease')$$, $$VALUES (false, 'Lease not found')$$,
                   'an unknown lease is not found');
 SELECT throws_ok($$SELECT * FROM queen.extend_lease('acme', pg_temp.lease2(), 0)$$, 'QTBAD', 'timers_bad_request', 'seconds below 1');
+
+-- ---------------------------------------------------------------- a run of acks is one ack_messages call
+SELECT lives_ok($$SELECT * FROM queen.push_messages('acme', ARRAY[ROW('nk', NULL, 'n1', NULL, '\x31'::bytea, false)::queen.push_item,
+                                                                   ROW('nk', NULL, 'n2', NULL, '\x32'::bytea, false)::queen.push_item,
+                                                                   ROW('nk', NULL, 'n3', NULL, '\x33'::bytea, false)::queen.push_item])$$,
+                'setup: n1, n2, n3 in nk');
+CREATE TEMP TABLE p3 AS SELECT * FROM queen.pop_messages('acme', 'nk', p_batch => 10, p_now => pg_temp.at(200));
+CREATE FUNCTION pg_temp.nk(p_status text, VARIADIC p_ids text[]) RETURNS queen.txn_outcome LANGUAGE sql AS $$
+    SELECT queen.execute_transaction('acme', ARRAY(
+        SELECT queen.txn_ack(i, (SELECT partition_id FROM p3 LIMIT 1), p_status, p_lease_id => (SELECT lease_id::text FROM p3 LIMIT 1))
+          FROM unnest(p_ids) WITH ORDINALITY AS u(i, n) ORDER BY n), p_now => pg_temp.at(201)) $$;
+CREATE FUNCTION pg_temp.nk_consumer() RETURNS TABLE (seq bigint, retries integer, leased boolean) LANGUAGE sql AS $$
+    SELECT last_consumed_seq, batch_retry_count, lease_id IS NOT NULL FROM queen.partition_consumers
+     WHERE partition_id = (SELECT partition_id FROM p3 LIMIT 1) $$;
+CREATE TEMP TABLE t1 AS SELECT * FROM pg_temp.nk('failed', 'n1', 'n2', 'n3');
+SELECT results_eq('SELECT success, error, cardinality(results) FROM t1', $$VALUES (true, NULL::text, 3)$$,
+                  'a batch nacked as a list (queen-mq''s transaction().ack(messages, ''failed'')) succeeds, each item');
+SELECT results_eq('SELECT seq, retries, leased FROM pg_temp.nk_consumer()', $$VALUES (0::bigint, 1, false)$$,
+                  '... the batch comes back whole: no cursor move, one retry spent, the lease released');
+-- in a partition of its own, so that it does not hang on the nack's outcome
+SELECT lives_ok($$SELECT * FROM queen.push_messages('acme', ARRAY[ROW('nk', 'b', 'n4', NULL, '\x34'::bytea, false)::queen.push_item,
+                                                                   ROW('nk', 'b', 'n5', NULL, '\x35'::bytea, false)::queen.push_item,
+                                                                   ROW('nk', 'b', 'n6', NULL, '\x36'::bytea, false)::queen.push_item])$$,
+                'setup: n4, n5, n6 in nk/b, popped');
+DELETE FROM p3;
+INSERT INTO p3 SELECT * FROM queen.pop_messages('acme', 'nk', 'b', p_batch => 10, p_now => pg_temp.at(202));
+CREATE TEMP TABLE t2 AS SELECT * FROM pg_temp.nk('completed', 'n6', 'n4', 'n5');
+SELECT results_eq('SELECT success, error FROM t2', $$VALUES (true, NULL::text)$$,
+                  'completed acks listed out of log order succeed (the last message''s ack no longer releases the lease first)');
+SELECT results_eq($$SELECT r.idx, r.transaction_id FROM t2, unnest(t2.results) r$$, $$VALUES (0, 'n6'), (1, 'n4'), (2, 'n5')$$,
+                  '... one result per operation, in the order given');
+SELECT results_eq('SELECT seq, leased FROM pg_temp.nk_consumer()', $$SELECT max(seq), false FROM p3$$,
+                  '... the cursor past the last of them, the lease released');
 
 SELECT * FROM finish();
 ROLLBACK;

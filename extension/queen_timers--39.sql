@@ -2331,6 +2331,10 @@ $$;
 -- Replay one of the tenant's DLQ rows into its partition as a new frame
 -- (new message id, transaction id '<original>#replay-<dlq id>'), deleting
 -- the DLQ row. Another tenant's row is not found (QTNFD), like an unknown id.
+-- The transaction id stays within the log's 255 bytes, or the replayed frame
+-- could be popped but never acked (migration 039): a replay of a replay
+-- replaces the earlier '#replay-<id>' instead of adding one, and an original
+-- longer than 211 bytes is cut (on a character boundary) to fit the suffix.
 -- A timer's dead letter is refused with QTRPL: its frame never had a
 -- consumer group, and republishing it into a phantom group has no
 -- defined meaning.
@@ -2340,6 +2344,7 @@ LANGUAGE plpgsql AS $$
 DECLARE
     d      queen.dead_letter_queue;
     v_id   uuid := queen.uuid_v7();
+    v_base text;
 BEGIN
     SELECT dl.* INTO d
       FROM queen.dead_letter_queue dl
@@ -2355,8 +2360,13 @@ BEGIN
             USING ERRCODE = 'QTRPL',
                   DETAIL = 'a timer''s dead letter never had a consumer group and its offset is not a position; schedule a new timer instead';
     END IF;
+    -- '#replay-' and a uuid take 44 bytes of the 255
+    v_base := left(regexp_replace(d.transaction_id, '#replay-[0-9a-f]{8}(-[0-9a-f]{4}){3}-[0-9a-f]{12}$', ''), 211);
+    WHILE octet_length(v_base) > 211 LOOP
+        v_base := left(v_base, -1);
+    END LOOP;
     INSERT INTO queen.messages (id, transaction_id, partition_id, payload, is_encrypted, producer_sub)
-    VALUES (v_id, d.transaction_id || '#replay-' || d.id, d.partition_id, d.payload, d.is_encrypted, d.producer_sub);
+    VALUES (v_id, v_base || '#replay-' || d.id, d.partition_id, d.payload, d.is_encrypted, d.producer_sub);
     DELETE FROM queen.dead_letter_queue WHERE id = p_dlq_id;
     RETURN v_id;
 END
@@ -3251,10 +3261,14 @@ $$;
 -- Queen's transaction: pushes and acks, in order, all or nothing, in the
 -- tenant's queues. Each push is push_messages' (a transaction id already
 -- in the partition is 'duplicate', which makes a retried transaction
--- idempotent); each ack is ack_messages', and an ack that does not
--- succeed ('Message not found', 'Invalid or expired lease') undoes every
--- operation before it: the outcome is success = false with failed_index
--- and an empty results, and nothing is written (the function raises
+-- idempotent); each run of consecutive acks is one ack_messages call, as
+-- POST /api/v1/ack/batch makes it (migration 039: one call per ack refused
+-- the second item of a batch nacked as a list, queen-mq's
+-- transaction().ack(messages, 'failed'), and completed acks listed out of
+-- log order, once an earlier item had released the lease); an ack that
+-- does not succeed ('Message not found', 'Invalid or expired lease') undoes
+-- every operation: the outcome is success = false with failed_index (the
+-- first such ack) and an empty results, and nothing is written (the function raises
 -- SQLSTATE QTTXF inside its own block and catches it: it never escapes,
 -- so it has no HTTP mapping). Every lease in
 -- p_required_leases must be held (unexpired) on one of the tenant's
@@ -3282,6 +3296,9 @@ DECLARE
     o        record;
     pr       queen.push_result;
     ar       queen.ack_result;
+    v_acks   queen.ack_item[] := '{}';  -- the run of acks being gathered, and their positions
+    v_at     integer[] := '{}';
+    v_pids   uuid[] := '{}';
 BEGIN
     IF p_tenant IS NULL OR p_tenant = '' THEN
         RAISE EXCEPTION 'timers_bad_request' USING ERRCODE = 'QTBAD', DETAIL = 'tenant is required';
@@ -3348,7 +3365,8 @@ BEGIN
            FROM (SELECT DISTINCT x.queue, coalesce(x.partition, 'Default') AS partition
                    FROM unnest(p_ops) x WHERE x.type = 'push' ORDER BY 1, 2) d;
         FOR o IN
-            SELECT x.*, (x.n - 1)::integer AS idx
+            SELECT x.*, (x.n - 1)::integer AS idx,
+                   lead(x.type) OVER (ORDER BY x.n) IS DISTINCT FROM 'ack' AS run_ends
               FROM unnest(p_ops) WITH ORDINALITY AS x(type, queue, partition, transaction_id, trace_id, payload,
                                                       is_encrypted, partition_id, status, error, lease_id,
                                                       consumer_group, n)
@@ -3362,17 +3380,25 @@ BEGIN
                                       pr.partition_id, pr.queue_name, coalesce(o.partition, 'Default'),
                                       NULL, false, false)::queen.txn_result;
             ELSE
-                SELECT * INTO ar FROM queen.ack_messages(p_tenant,
-                    ARRAY[ROW(o.transaction_id, o.partition_id, o.status, o.error,
-                              coalesce(nullif(o.lease_id, ''), v_lease), o.consumer_group)::queen.ack_item], v_now);
-                IF NOT ar.success THEN
-                    v_failed := o.idx;
-                    v_msg := format('ACK operation failed: %s', ar.error);
-                    RAISE EXCEPTION 'transaction_failed' USING ERRCODE = 'QTTXF';
-                END IF;
-                v_out := v_out || ROW(o.idx, 'ack', true, NULL, ar.transaction_id, NULL, o.partition_id,
-                                      ar.queue_name, ar.partition_name, NULL, ar.lease_released,
-                                      ar.dlq)::queen.txn_result;
+                v_acks := v_acks || ROW(o.transaction_id, o.partition_id, o.status, o.error,
+                                        coalesce(nullif(o.lease_id, ''), v_lease), o.consumer_group)::queen.ack_item;
+                v_at := v_at || o.idx;
+                v_pids := v_pids || o.partition_id;
+                CONTINUE WHEN NOT o.run_ends;
+                -- the run's verdicts come back in its order (ar.idx: 0-based within the run)
+                FOR ar IN SELECT * FROM queen.ack_messages(p_tenant, v_acks, v_now) LOOP
+                    IF NOT ar.success THEN
+                        v_failed := v_at[ar.idx + 1];
+                        v_msg := format('ACK operation failed: %s', ar.error);
+                        RAISE EXCEPTION 'transaction_failed' USING ERRCODE = 'QTTXF';
+                    END IF;
+                    v_out := v_out || ROW(v_at[ar.idx + 1], 'ack', true, NULL, ar.transaction_id, NULL,
+                                          v_pids[ar.idx + 1], ar.queue_name, ar.partition_name, NULL,
+                                          ar.lease_released, ar.dlq)::queen.txn_result;
+                END LOOP;
+                v_acks := '{}';
+                v_at := '{}';
+                v_pids := '{}';
             END IF;
         END LOOP;
     EXCEPTION WHEN SQLSTATE 'QTTXF' THEN
@@ -3839,7 +3865,8 @@ INSERT INTO queen.schema_migrations (version, name) VALUES
     (35, 'empty_batch_gates'),
     (36, 'fire_partition_order'),
     (37, 'fire_order_comment'),
-    (38, 'finite_clock');
+    (38, 'finite_clock'),
+    (39, 'log_replay_and_txn_acks');
 
 -- generated: tables of the extension that hold user data are dumped by pg_dump
 DO $qt$
