@@ -242,6 +242,49 @@ def test_pop_and_ack_details_the_reference_states(client, db):
     assert [m["transactionId"] for m in pop(client, "lt0", batch=5)["messages"]] == ["l2"]
 
 
+def test_message_detail_mode_follows_the_groups_that_read_the_partition(client, db):
+    """docs/log-surface.md's message detail: mode.type none / bus / hybrid and the
+    consumerGroups entries, as groups pop and ack in the message's partition."""
+    conf = configure(client, "modes")
+    push(client, {"queue": "modes", "payload": 1, "transactionId": "md1"})
+
+    def detail():
+        r = client.get(f"/api/v1/messages/{conf['partitionId']}/md1")
+        assert r.status_code == 200, r.text
+        return r.json()
+    d = detail()
+    assert d["mode"] == {"hasQueueMode": False, "busGroupsCount": 0, "consumedByGroups": 0, "type": "none"}
+    assert d["consumerGroups"] == [] and d["status"] == "pending"
+    audit = pop(client, "modes", consumerGroup="audit")
+    d = detail()
+    assert (d["mode"]["type"], d["mode"]["busGroupsCount"], d["status"]) == ("bus", 1, "processing")
+    [g] = d["consumerGroups"]
+    assert (g["name"], g["consumed"], g["processing"]) == ("audit", False, True) and g["leaseExpiresAt"]
+    ack(client, audit["messages"][0], consumerGroup="audit")
+    queue_mode = pop(client, "modes")
+    d = detail()
+    assert d["mode"] == {"hasQueueMode": True, "busGroupsCount": 1, "consumedByGroups": 1, "type": "hybrid"}
+    assert [(g["name"], g["consumed"], g["processing"]) for g in d["consumerGroups"]] == [
+        ("__QUEUE_MODE__", False, True), ("audit", True, False)]
+    assert d["status"] == "completed"  # some group's cursor passed it
+    assert queue_mode["messages"][0]["transactionId"] == "md1"
+
+
+def test_a_pop_without_a_partition_serves_the_least_recently_served_first(client, db):
+    """docs/log-surface.md: of the partitions with messages after the group's cursor and no
+    live lease, the least recently served comes first."""
+    for part in ("a", "b", "c"):
+        push(client, *({"queue": "rr", "partition": part, "payload": i, "transactionId": f"{part}{i}"}
+                       for i in range(2)))
+    served = []
+    for _ in range(6):
+        got = pop(client, "rr", batch=1)
+        served.append(got["partition"])
+        ack(client, got["messages"][0])
+    # every partition once before any twice, then the same order again
+    assert sorted(served[:3]) == ["a", "b", "c"] and served[3:] == served[:3], served
+
+
 def test_lease_held_partition_is_not_handed_to_another_consumer(client, db):
     push(client, *({"queue": "work", "payload": i, "transactionId": f"m{i}"} for i in range(3)))
     a = pop(client, "work", batch=1)
