@@ -16,25 +16,15 @@ RETURNS SETOF queen.timer_verdict LANGUAGE sql AS $$
     SELECT * FROM queen.schedule_timers(p_tenant, p_ops, p_horizon_ms => p_horizon, p_tenancy => p_tenancy,
                                         p_now => coalesce(p_at, pg_temp.t0()))
 $$;
--- the HINT of the error a statement raises
-CREATE FUNCTION pg_temp.hint_of(p_sql text) RETURNS text LANGUAGE plpgsql AS $$
-DECLARE v text;
+-- the HINT or the DETAIL (p_field) of the error a statement raises
+CREATE FUNCTION pg_temp.error_of(p_sql text, p_field text) RETURNS text LANGUAGE plpgsql AS $$
+DECLARE v_hint text; v_detail text;
 BEGIN
     EXECUTE p_sql;
     RETURN 'no error';
 EXCEPTION WHEN OTHERS THEN
-    GET STACKED DIAGNOSTICS v = PG_EXCEPTION_HINT;
-    RETURN v;
-END $$;
-
-CREATE FUNCTION pg_temp.detail_of(p_sql text) RETURNS text LANGUAGE plpgsql AS $$
-DECLARE v text;
-BEGIN
-    EXECUTE p_sql;
-    RETURN 'no error';
-EXCEPTION WHEN OTHERS THEN
-    GET STACKED DIAGNOSTICS v = PG_EXCEPTION_DETAIL;
-    RETURN v;
+    GET STACKED DIAGNOSTICS v_hint = PG_EXCEPTION_HINT, v_detail = PG_EXCEPTION_DETAIL;
+    RETURN CASE p_field WHEN 'hint' THEN v_hint WHEN 'detail' THEN v_detail END;
 END $$;
 
 -- ---------------------------------------------------------------- shape: QTBAD
@@ -65,7 +55,7 @@ SELECT throws_ok($$SELECT * FROM pg_temp.sched(ARRAY[pg_temp.op('schedule', 'q',
 -- ---------------------------------------------------------------- 1. paused: QTOFF
 SELECT is(queen.pause_scheduling(), true, 'pause_scheduling answers the new state');
 SELECT throws_ok($$SELECT * FROM pg_temp.sched(ARRAY[pg_temp.op('schedule', 'q', 'k')])$$, 'QTOFF', 'timers_disabled', 'paused scheduling refuses a batch');
-SELECT is(pg_temp.hint_of($$SELECT * FROM pg_temp.sched(ARRAY[pg_temp.op('cancel', 'q1', 'same')])$$), 'retry_after_seconds=30',
+SELECT is(pg_temp.error_of($$SELECT * FROM pg_temp.sched(ARRAY[pg_temp.op('cancel', 'q1', 'same')])$$, 'hint'), 'retry_after_seconds=30',
           'even a cancel-only batch; QTOFF carries a retry hint');
 SELECT throws_ok($$SELECT * FROM pg_temp.sched(ARRAY[pg_temp.op('schedule', 'q', 'k')], 'nobody', true)$$, 'QTOFF', 'timers_disabled',
                  'the pause is the first rung (before feature_gated)');
@@ -105,15 +95,15 @@ SELECT lives_ok($$SELECT * FROM pg_temp.sched(ARRAY[pg_temp.op('schedule', 'q', 
                 'two operations use the burst');
 SELECT throws_ok($$SELECT * FROM pg_temp.sched(ARRAY[pg_temp.op('cancel', 'q', 'r0')], 'initech', true)$$, 'QTRAT', 'rate_limited',
                  'the third operation in the same second is rate limited');
-SELECT is(pg_temp.hint_of($$SELECT * FROM pg_temp.sched(ARRAY[pg_temp.op('cancel', 'q', 'r0')], 'initech', true)$$),
+SELECT is(pg_temp.error_of($$SELECT * FROM pg_temp.sched(ARRAY[pg_temp.op('cancel', 'q', 'r0')], 'initech', true)$$, 'hint'),
           'retry_after_seconds=1', 'QTRAT carries HINT retry_after_seconds');
 SELECT lives_ok($$SELECT * FROM pg_temp.sched(ARRAY[pg_temp.op('cancel', 'q', 'r0'), pg_temp.op('cancel', 'q', 'r00')], 'initech', true, NULL, pg_temp.t0() + interval '1 second')$$,
                 'a second later the bucket has refilled');
 SELECT lives_ok($$SELECT * FROM pg_temp.sched(ARRAY[pg_temp.op('cancel', 'q', 'a'), pg_temp.op('cancel', 'q', 'b'), pg_temp.op('cancel', 'q', 'c')], 'initech', true, NULL, pg_temp.t0() + interval '10 seconds')$$,
                 'a batch larger than the burst passes on a full bucket');
-SELECT is(pg_temp.hint_of($$SELECT * FROM pg_temp.sched(ARRAY[pg_temp.op('cancel', 'q', 'a')], 'initech', true, NULL, pg_temp.t0() + interval '10 seconds')$$),
+SELECT is(pg_temp.error_of($$SELECT * FROM pg_temp.sched(ARRAY[pg_temp.op('cancel', 'q', 'a')], 'initech', true, NULL, pg_temp.t0() + interval '10 seconds')$$, 'hint'),
           'retry_after_seconds=1', '... and leaves it in debt');
-SELECT is(pg_temp.detail_of($$SELECT * FROM pg_temp.sched(ARRAY[pg_temp.op('cancel', 'q', 'a')], 'initech', true, NULL, pg_temp.t0() + interval '10 seconds')$$),
+SELECT is(pg_temp.error_of($$SELECT * FROM pg_temp.sched(ARRAY[pg_temp.op('cancel', 'q', 'a')], 'initech', true, NULL, pg_temp.t0() + interval '10 seconds')$$, 'detail'),
           'tenant initech asked for 1 operations; 0 available at 2 per second', '... which has 0 available (not -1)');
 UPDATE queen.plans SET rate_ops_per_second = NULL WHERE plan = 'pro';
 
