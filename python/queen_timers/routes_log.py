@@ -877,7 +877,7 @@ OPENAPI_SCHEMAS: dict = {
         "consumerGroup": {"type": ["string", "null"]}}},
     "AckResult": {"type": "object", "properties": {
         "index": {"type": "integer"}, "transactionId": {"type": "string"}, "success": {"type": "boolean"},
-        "error": {"enum": [None, "Message not found", "Invalid or expired lease"]},
+        "error": {"enum": [None, "Message not found", "Invalid or expired lease", "Message not yet readable"]},
         "queueName": {"type": ["string", "null"]}, "partitionName": {"type": ["string", "null"]},
         "leaseReleased": {"type": "boolean"}, "dlq": {"type": "boolean"}}},
     "MessageDetail": {"type": "object", "properties": {

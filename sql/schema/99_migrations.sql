@@ -41,4 +41,5 @@ INSERT INTO queen.schema_migrations (version, name) VALUES
     (36, 'fire_partition_order'),
     (37, 'fire_order_comment'),
     (38, 'finite_clock'),
-    (39, 'log_replay_and_txn_acks');
+    (39, 'log_replay_and_txn_acks'),
+    (40, 'ack_read_horizon');

@@ -9,6 +9,7 @@ import time
 import uuid
 
 import jwt
+import psycopg
 import pytest
 
 CREATED_AT = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{6}Z$")
@@ -361,6 +362,34 @@ def test_message_lookup_and_ack_of_unknown_message(client, db):
     assert r.status_code == 400
     r = client.post("/api/v1/ack/batch", json={"acknowledgments": [{"transactionId": 1, "partitionId": pid}]})
     assert r.status_code == 400
+
+
+def test_an_ack_of_a_message_no_pop_could_hand_out_is_refused(client, db, database_url):
+    """While a write transaction older than a pushed message runs, no pop hands the message
+    out; an ack of it (the producer knows its ids) answers the documented per-item error
+    and moves no cursor, alone, in a batch and in a transaction. Once that transaction
+    ends, the message is popped and acked as usual."""
+    out = push(client, {"queue": "early", "payload": 1, "transactionId": "before"})
+    pid = out[0]["partition_id"]
+    with psycopg.connect(database_url) as older:
+        older.execute("SELECT pg_current_xact_id()")  # an older write transaction, left open
+        push(client, {"queue": "early", "payload": 2, "transactionId": "after"})
+        msg = {"transactionId": "after", "partitionId": pid}
+        res = ack(client, msg)
+        assert res["success"] is False and res["error"] == "Message not yet readable"
+        r = client.post("/api/v1/ack/batch", json={"consumerGroup": "g", "acknowledgments": [
+            {"transactionId": "before", "partitionId": pid}, {**msg, "status": "dlq"}]})
+        assert r.status_code == 200
+        assert [(x["success"], x["error"]) for x in r.json()] == [(True, None), (False, "Message not yet readable")]
+        r = client.post("/api/v1/transaction", json={"operations": [{"type": "ack", **msg}]})
+        assert r.status_code == 200 and r.json()["success"] is False
+        assert r.json()["error"] == "ACK operation failed: Message not yet readable"
+        assert [m["transactionId"] for m in pop(client, "early", batch=10)["messages"]] == ["before"]
+        older.rollback()
+    assert db.execute("SELECT count(*) AS n FROM queen.dead_letter_queue").fetchone()["n"] == 0
+    got = pop(client, "early", consumerGroup="g", batch=10)
+    assert [m["transactionId"] for m in got["messages"]] == ["after"], "group g's cursor did not pass it"
+    assert ack(client, got["messages"][0], consumerGroup="g")["success"] is True
 
 
 def test_dlq_list_ignores_partition_pages_newest_first_and_replays(client, db):

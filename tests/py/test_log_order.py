@@ -21,6 +21,9 @@ Why they would catch a skip:
   B appends (lower seq, larger xid) and commits, then A appends (higher seq,
   smaller xid) and stays open. Ordering by xid without the horizon would hand
   out B's frame and skip A's.
+- test_an_ack_of_a_frame_past_the_horizon_does_not_skip_a_late_commit: an ack of
+  a frame no pop handed out, while an older transaction runs, moved the cursor
+  past that transaction's frames before migration 040.
 - the stress test mixes both, from two fire sessions and a pusher whose
   transactions hold their xid open for random times, against consumers
   popping and acking all along.
@@ -109,6 +112,32 @@ def test_a_smaller_xid_that_appends_later_is_not_skipped(db, conns):
                'completed', NULL, %s, NULL)::queen.ack_item) FROM queen.messages m))""", (str(popped[0][1]),)).fetchone()[0]
     assert acks is True
     assert pop_all(consumer) == []
+
+
+def test_an_ack_of_a_frame_past_the_horizon_does_not_skip_a_late_commit(db, conns):
+    """A client acks a frame that no pop handed it (its transaction id and partition are
+    known to the producer), while a transaction with a smaller xid still runs. The ack
+    is refused and the cursor stays; before migration 040 it moved to that frame, and
+    the older transaction's frame, committed next, was never popped by that group."""
+    a, b, consumer = conns(), conns(), conns(autocommit=True)
+    a.execute("SELECT pg_current_xact_id()")  # A takes its xid first
+    b.execute(PUSH, ("b1", b"b"))             # B: a larger xid, committed
+    b.commit()
+    acks = consumer.execute(
+        """SELECT r.success, r.error FROM queen.ack_messages('acme', ARRAY(
+               SELECT ROW(m.transaction_id, m.partition_id, 'completed', NULL, NULL, g)::queen.ack_item
+                 FROM queen.messages m, unnest(ARRAY['__QUEUE_MODE__', 'bus']) g WHERE m.transaction_id = 'b1')) r
+            ORDER BY r.idx""").fetchall()
+    assert acks == [(False, "Message not yet readable")] * 2
+    a.execute(PUSH, ("a1", b"a"))             # A: a smaller xid, appended and committed after
+    a.commit()
+    for group in ("__QUEUE_MODE__", "bus"):
+        assert pop_all(consumer, group) == ["a1", "b1"], f"{group}: A's frame not skipped, in log order"
+    # once below the horizon, the same ack is taken (and behind the cursor, changes nothing)
+    again = consumer.execute(
+        """SELECT r.success FROM queen.ack_messages('acme', ARRAY(SELECT ROW(m.transaction_id, m.partition_id,
+               'completed', NULL, NULL, NULL)::queen.ack_item FROM queen.messages m WHERE m.transaction_id = 'b1')) r""")
+    assert again.fetchall() == [(True,)]
 
 
 def test_a_fire_in_flight_holds_back_later_frames_then_delivers_them(db, conns):

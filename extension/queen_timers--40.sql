@@ -2449,7 +2449,7 @@ CREATE TYPE queen.ack_result AS (
     idx             integer,    -- 0-based input position
     transaction_id  text,
     success         boolean,
-    error           text,       -- NULL | 'Message not found' | 'Invalid or expired lease'
+    error           text,       -- NULL | 'Message not found' | 'Invalid or expired lease' | 'Message not yet readable'
     queue_name      text,
     partition_name  text,
     lease_released  boolean,
@@ -2880,6 +2880,10 @@ $$;
 -- batch comes back whole, one retry spent (migration 033). A completed or
 -- dlq item after that release is refused ('Invalid or expired lease'): the
 -- cursor cannot pass the failed message, so the batch comes back with it.
+-- An item that would move the cursor to a frame at or past the read horizon
+-- (queen.log_read_horizon: no pop has handed it out, an older transaction
+-- still runs) is refused ('Message not yet readable'): the cursor would skip
+-- that transaction's frames when it commits (migration 040).
 -- Each item is one lookup of the unique (partition_id, transaction_id), a
 -- subquery with LIMIT and no seq or bitmap scan: with the statistics of an
 -- empty table, a join hashed every frame of the partition, and a bitmap
@@ -2902,6 +2906,7 @@ DECLARE
     v_acked  integer;
     v_done   boolean;
     v_released text[] := '{}';  -- partition/group/lease released by a failed or retry item of this call
+    v_horizon  xid8;  -- the read horizon, taken once: no pop before this call read at or past it
 BEGIN
     IF p_acks IS NULL OR cardinality(p_acks) = 0 THEN
         RETURN;
@@ -2971,6 +2976,9 @@ BEGIN
         END IF;
         r.success := true;
         v_status := a.status;
+        IF v_horizon IS NULL AND v_status <> 'retry' THEN
+            v_horizon := queen.log_read_horizon();
+        END IF;
 
         IF v_status = 'retry' THEN
             r.lease_released := pc.lease_id IS NOT NULL;
@@ -2992,6 +3000,11 @@ BEGIN
                        updated_at = v_now
                  WHERE partition_id = a.partition_id AND consumer_group = a.grp;
             END IF;
+        ELSIF a.xid >= v_horizon THEN
+            -- no pop handed it out yet: a transaction older than it still runs, and moving
+            -- the cursor here would skip that transaction's frames when it commits
+            r.success := false;
+            r.error := 'Message not yet readable';
         ELSE
             -- completed; or failed past the retry limit, or dlq: dead-letter, then move past it
             IF v_status IN ('failed', 'dlq') THEN
@@ -3866,7 +3879,8 @@ INSERT INTO queen.schema_migrations (version, name) VALUES
     (36, 'fire_partition_order'),
     (37, 'fire_order_comment'),
     (38, 'finite_clock'),
-    (39, 'log_replay_and_txn_acks');
+    (39, 'log_replay_and_txn_acks'),
+    (40, 'ack_read_horizon');
 
 -- generated: tables of the extension that hold user data are dumped by pg_dump
 DO $qt$
