@@ -486,8 +486,13 @@ def main() -> int:
         for p in peers:
             check(f"single cancels: queen cancel_timer / {p} (cancels/s)",
                   ratio("cancel", "queen cancel_timer", p, "per_s"), 1.0, measure="cancel")
-            check(f"single cancels: queen DELETE over HTTP / {p} (cancels/s)",
-                  ratio("cancel", "queen http", p, "per_s"), 1.0, measure="cancel")
+            # no target: issue 19 compares the cancel call with the peers' calls (cancel_timer, as
+            # in its reference run) and reads the DELETE over HTTP against cancel_timer in `make
+            # bench` (p50 <= 1.6x). A peer's cancel is a call on its own connection; the DELETE
+            # adds a hop through a second process that the peer's call does not make
+            v = ratio("cancel", "queen http", p, "per_s")
+            log(f"  single cancels: queen DELETE over HTTP / {p} (cancels/s): {fmt(v)} (no target: issue 19 "
+                f"reads the DELETE against cancel_timer in `make bench`'s cancel section)")
         for mode in ("default", "tuned"):
             b = best("drain", mode, "per_s")
             if b:
