@@ -13,15 +13,20 @@ A credential is checked before its tenant's turn (turns.py), so what checking
 it costs is bounded here: at most QUEEN_JWT_MAX_BYTES; its signature first, in C
 (HS256 under the secret, or the one algorithm the public key's type allows), so
 that a token the key did not sign never reaches PyJWT (whose decode checks every
-character in Python: 0.5 ms for a 13 KB token); and a token already accepted is
-remembered until its `exp`.
+character in Python: 0.5 ms for a 13 KB token); a token already accepted is
+remembered until its `exp`, and a token refused for good (another key's signature, expired,
+a claim that can never pass) is remembered too, by a keyed digest, so a client that repeats
+one costs a hash and a lookup, not a signature check. A token refused because its `nbf` or
+`iat` lies ahead is not remembered: it may pass later.
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
+import hashlib
 import hmac
+import os
 import time
 from dataclasses import dataclass
 
@@ -66,6 +71,15 @@ ANONYMOUS = Principal(tenant="default", sub=None, role=ADMIN)
 PRINCIPAL_KEY = "queen.principal"  # scope key: what identify() found
 # tokens accepted, remembered with their exp: at most this many (each at most QUEEN_JWT_MAX_BYTES)
 ACCEPTED_TOKENS = 1024
+REFUSED_TOKENS = 4096  # refusals remembered: a digest of 16 bytes and a short text each (about 1 MB at most)
+
+
+class _NotYet(Exception):
+    """A token refused only because its nbf or iat lies ahead: never remembered."""
+
+    def __init__(self, detail: str):
+        super().__init__(detail)
+        self.detail = detail
 
 
 PUBLIC_KEYS = (rsa.RSAPublicKey, ec.EllipticCurvePublicKey, ed25519.Ed25519PublicKey, ed448.Ed448PublicKey)
@@ -113,6 +127,10 @@ class Authenticator:
         # base64url characters of the key's signature, with padding
         self.signature_chars = 4 * -(-signature_bytes(self.public_key) // 3)
         self.accepted: dict[str, tuple[Principal, float]] = {}  # token -> (principal, exp), oldest first
+        # a keyed digest of each token refused for good -> its 401's detail, oldest first (the
+        # key is this process's: nobody can aim a digest at another token)
+        self.refused: dict[bytes, str] = {}
+        self._refusal_key = os.urandom(32)
         self.operator_tenant = settings.operator_tenant
         self.slots = RequestSlots(settings.tenant_max_requests, settings.max_connections)
 
@@ -158,11 +176,30 @@ class Authenticator:
             if known[1] > time.time() - self.leeway:
                 return known[0]
             del self.accepted[token]
+        digest = hashlib.blake2b(token.encode("latin-1"), digest_size=16, key=self._refusal_key).digest()
+        if (detail := self.refused.get(digest)) is not None:
+            raise ApiError(401, "unauthorized", detail)
+        try:
+            return self._verified(token)
+        except _NotYet as exc:  # nbf or iat ahead: it may pass later
+            raise ApiError(401, "unauthorized", exc.detail) from None
+        except ApiError as exc:
+            if len(self.refused) >= REFUSED_TOKENS:
+                del self.refused[next(iter(self.refused))]
+            self.refused[digest] = exc.detail or ""
+            raise
+
+    def _verified(self, token: str) -> Principal:
+        """The principal of a token neither accepted nor refused before: its signature,
+        then PyJWT's checks and the claims'. Raises the 401 (_NotYet when only time
+        stands in its way)."""
         if (self.hs256_key is not None or self.public_key is not None) and not self._signed(token):
             raise ApiError(401, "unauthorized", "invalid token: Signature verification failed")
         try:
             claims = jwt.decode(token, self.key, algorithms=self.algorithms,
                                 options={"require": ["exp", "sub"]}, leeway=self.leeway)
+        except jwt.ImmatureSignatureError as exc:
+            raise _NotYet(f"invalid token: {exc}") from None
         except jwt.PyJWTError as exc:
             raise ApiError(401, "unauthorized", f"invalid token: {exc}") from None
         if not isinstance(claims, dict):

@@ -410,3 +410,62 @@ def test_an_openssh_or_ed448_public_key_verifies_its_tokens_and_no_other(monkeyp
                                                                           role="read-only")
     found = check(jwt.encode(claims, other, algorithm=alg))
     assert isinstance(found, auth.ApiError) and found.status == 401, found
+
+
+@pytest.mark.parametrize("kind", ["secret", "ed25519"])
+def test_a_token_refused_for_good_is_remembered_and_a_token_not_yet_valid_is_not(monkeypatch, kind):
+    """A client repeating a refused token (another key's, expired, a claim that never
+    passes) costs the broker a digest and a lookup from its second request on: the
+    signature is checked once, and every answer is the first one's 401. A token refused
+    only because its nbf lies ahead is checked again each time (it may pass later), and
+    the memory is bounded, the oldest refusal first out."""
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    from queen_timers import auth
+    if kind == "secret":
+        a, check, decoded = counting_authenticator(monkeypatch, jwt_secret=JWT_SECRET)
+
+        def sign(claims, other=False):
+            return jwt.encode(claims, "another-secret-of-at-least-32-bytes-long!" if other else JWT_SECRET,
+                              algorithm="HS256")
+    else:
+        key, stranger = Ed25519PrivateKey.generate(), Ed25519PrivateKey.generate()
+        a, check, decoded = counting_authenticator(monkeypatch, jwt_public_key=pem_of(key))
+
+        def sign(claims, other=False):
+            return jwt.encode(claims, stranger if other else key, algorithm="EdDSA")
+    signed = []
+    real_signed = a._signed
+    monkeypatch.setattr(a, "_signed", lambda token: signed.append(1) or real_signed(token))
+    now = int(time.time())
+    claims = {"sub": "billing-service", "tenant": "acme", "role": "admin", "exp": now + 600}
+    cases = {
+        "Signature verification failed": sign(claims, other=True),
+        "expired": sign({**claims, "exp": now - 3600}),
+        "role claim must be one of": sign({**claims, "role": "root"}),
+    }
+    for part, bad in cases.items():
+        first = check(bad)
+        assert isinstance(first, auth.ApiError) and first.status == 401 and part in first.detail, first
+        calls_before = (len(signed), len(decoded))
+        for _ in range(3):
+            again = check(bad)
+            assert isinstance(again, auth.ApiError) and again.status == 401
+            assert again.body() == first.body()
+        assert (len(signed), len(decoded)) == calls_before, f"{part}: checked once, then remembered"
+    assert len(a.refused) == 3
+
+    early = sign({**claims, "nbf": now + 3600})
+    for _ in range(2):
+        found = check(early)
+        assert isinstance(found, auth.ApiError) and "not yet valid" in found.detail, found
+    assert len(a.refused) == 3, "a token not yet valid is never remembered"
+    assert check(sign(claims)).tenant == "acme", "a good token still passes"
+
+    monkeypatch.setattr(auth, "REFUSED_TOKENS", 4)
+    checked = len(signed)
+    for i in range(3):  # two more refusals past the bound push out the two oldest
+        check(sign({**claims, "role": f"nobody-{i}"}))
+    assert len(a.refused) == 4
+    check(cases["Signature verification failed"])
+    assert len(signed) == checked + 4, "the oldest refusal was forgotten and checked again"
