@@ -10,18 +10,23 @@ make the broker spend more on its 401 than it spends serving a tenant's request.
 
 Credentials: a valid token (HS256 under QUEEN_JWT_SECRET, or with --key RS256 / EdDSA under
 QUEEN_JWT_PUBLIC_KEY), the same padded to 7.5 KB (within QUEEN_JWT_MAX_BYTES' default of 8 KiB),
-a token of another secret or key at both sizes, and one of 13 KB. Target: every 401's CPU <= 1.5x the valid token's request; every valid token's
-request <= 1.5x the small one's. With --compare, a broker of that checkout (its python/, on
+a token of another secret or key at both sizes, and one of 13 KB, each repeated for a round (the
+broker remembers a token it refused for good, so from the second request such a token costs a
+digest and a lookup), and a token of another key that is new at every request (what a client
+varying its bad tokens makes the broker spend: a signature check each). Target: every 401's CPU
+<= 1.5x the valid token's request; every valid token's request <= 1.5x the small one's. With --compare, a broker of that checkout (its python/, on
 the same database: the schema must be this one's) is timed beside this one's, in the same
 rounds, the order rotating."""
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 import jwt
 from cryptography.hazmat.primitives import serialization
@@ -31,18 +36,23 @@ from cancel import BlockingHttp
 from harness import ROOT, Cluster, log, pct, proc_cpu, rotated, start_broker
 
 SECRET = "bench-secret-for-queen-timers-hs256-0123456789"
+SERIAL = itertools.count()  # the jti of the tokens that are new at every request
 TARGET = 1.5
 
 
-def token(key, alg: str, pad: int = 0) -> str:
+def token(key, alg: str, pad: int = 0, jti: int | None = None) -> str:
     body = {"sub": "bench", "tenant": "acme", "role": "read-write", "exp": int(time.time()) + 3600}
     if pad:
         body["pad"] = "p" * pad
+    if jti is not None:
+        body["jti"] = str(jti)
     return jwt.encode(body, key, algorithm=alg)
 
 
-def cases(kind: str) -> tuple[dict, dict[str, tuple[str, bool]]]:
-    """The broker's environment for `kind` and its credentials: name -> (token, served)."""
+def cases(kind: str, n: int) -> tuple[dict, dict[str, tuple[str | Callable[[], list[str]], bool]]]:
+    """The broker's environment for `kind` and its credentials: name -> (token, served); for
+    the credential that is new at every request, a function making n + 1 tokens never sent
+    before (a block's, made before its clock starts)."""
     if kind == "secret":
         env, key, other, alg = {"QUEEN_JWT_SECRET": SECRET}, SECRET, "x" * 40, "HS256"
     else:
@@ -54,7 +64,9 @@ def cases(kind: str) -> tuple[dict, dict[str, tuple[str, bool]]]:
     bad = "another secret" if kind == "secret" else "another key"
     return env, {"valid": (token(key, alg), True), "valid 7.5 KB": (token(key, alg, 5500), True),
                  bad: (token(other, alg), False), f"{bad} 7.5 KB": (token(other, alg, 5500), False),
-                 f"{bad} 13 KB": (token(other, alg, 9700), False)}
+                 f"{bad} 13 KB": (token(other, alg, 9700), False),
+                 f"{bad}, new each time": (lambda: [token(other, alg, jti=next(SERIAL)) for _ in range(n + 1)],
+                                           False)}
 
 
 def main() -> int:
@@ -65,7 +77,7 @@ def main() -> int:
                     help="QUEEN_JWT_SECRET (HS256), or QUEEN_JWT_PUBLIC_KEY of a new RSA 2048 / Ed25519 key")
     ap.add_argument("--compare", type=Path, help="another checkout whose broker is timed beside this one's")
     args = ap.parse_args()
-    env, creds = cases(args.key)
+    env, creds = cases(args.key, args.n)
     log(f"== jwt_cost: {args.key} ({', '.join(env)}), {args.rounds} rounds of {args.n} requests a credential ==")
     cluster = Cluster()
     cluster.setup()
@@ -88,19 +100,20 @@ def main() -> int:
                 if side in socks:
                     socks.pop(side).close()
                 socks[side] = BlockingHttp("127.0.0.1", brokers[side].port)
-                auth = b"Authorization: Bearer %s\r\n" % tok.encode()
-                socks[side].request("DELETE", "/api/v1/timers/q/k", auth)
+                toks = tok() if callable(tok) else [tok] * (args.n + 1)
+                heads = [b"Authorization: Bearer %s\r\n" % t.encode() for t in toks]
+                socks[side].request("DELETE", "/api/v1/timers/q/k", heads[0])
                 before = proc_cpu(pid)
-                for _ in range(args.n):
+                for i in range(args.n):
                     t0 = time.perf_counter()
-                    code, _ = socks[side].request("DELETE", "/api/v1/timers/q/k", auth)
+                    code, _ = socks[side].request("DELETE", "/api/v1/timers/q/k", heads[i + 1])
                     lat.append(time.perf_counter() - t0)
                     codes[code] = codes.get(code, 0) + 1
                 us = (proc_cpu(pid) - before) / args.n * 1e6
                 cpu[side, name].append(us)
                 if side == "this" and codes != {200 if served else 401: args.n}:
                     raise RuntimeError(f"{name}: answers {codes}")
-                log(f"  round {r + 1} {side:7s} {name:22s} {len(tok):6,d} bytes: broker CPU {us:5.0f} us a "
+                log(f"  round {r + 1} {side:7s} {name:28s} {len(toks[0]):6,d} bytes: broker CPU {us:5.0f} us a "
                     f"request, p50 {pct(lat, 50) * 1000:.3f} ms, {codes}")
         med = {key: statistics.median(v) for key, v in cpu.items()}
         log(f"\n== medians of {args.rounds} rounds (broker CPU a request; /proc's clock tick is "
@@ -115,7 +128,7 @@ def main() -> int:
                     met = ratio <= TARGET
                     ok &= met
                     verdict = f" (target <= {TARGET}) {'met' if met else 'MISSED'}"
-                log(f"    {name:22s} {med[side, name]:5.0f} us, {ratio:.2f}x its valid token's request{verdict}")
+                log(f"    {name:28s} {med[side, name]:5.0f} us, {ratio:.2f}x its valid token's request{verdict}")
         return 0 if ok else 1
     finally:
         for s in socks.values():
