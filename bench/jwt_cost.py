@@ -14,9 +14,9 @@ a token of another secret or key at both sizes, and one of 13 KB, each repeated 
 broker remembers a token it refused for good, so from the second request such a token costs a
 digest and a lookup), and a token of another key that is new at every request (what a client
 varying its bad tokens makes the broker spend: a signature check each). Target: every 401's CPU
-<= 1.5x the valid token's request; every valid token's request <= 1.5x the small one's. With --compare, a broker of that checkout (its python/, on
-the same database: the schema must be this one's) is timed beside this one's, in the same
-rounds, the order rotating."""
+<= 1.5x the valid token's request; every valid token's request <= 1.5x the small one's. With
+--compare, a broker of that checkout (its python/, on the same database: the schema must be
+this one's) is timed beside this one's, in the same rounds, the order rotating."""
 
 from __future__ import annotations
 
