@@ -253,6 +253,13 @@ class Settings:
                               f"{settings.sweeper_max_sleep_ms}")
         if settings.sweeper_min_sleep_ms > settings.sweeper_max_sleep_ms:
             raise ConfigError("QUEEN_SWEEPER_MIN_SLEEP_MS must not exceed QUEEN_SWEEPER_MAX_SLEEP_MS")
+        if settings.sweeper_min_sleep_ms == 0 and settings.pool_mode == "transaction" \
+                and not settings.direct_database_url:
+            # no LISTEN through a transaction pooler: the sweeper polls at the minimum sleep, and 0
+            # would send its next-due query through the pooler without a pause, thousands a second
+            raise ConfigError("QUEEN_SWEEPER_MIN_SLEEP_MS=0 with QUEEN_POOL_MODE=transaction and no "
+                              "QUEEN_DIRECT_DATABASE_URL would poll without a pause (no LISTEN through the "
+                              "pooler): set QUEEN_DIRECT_DATABASE_URL, or a minimum of at least 1")
         if settings.jwt_max_bytes > MAX_HEAD_BYTES:
             raise ConfigError(f"QUEEN_JWT_MAX_BYTES must be <= {MAX_HEAD_BYTES} (the request head's limit), "
                               f"got {settings.jwt_max_bytes}")

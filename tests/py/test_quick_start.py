@@ -252,6 +252,13 @@ def test_inconsistent_pool_and_jwt_keys_stop_the_broker_at_start():
     with pytest.raises(ConfigError, match="QUEEN_SWEEPER_MIN_SLEEP_MS must not exceed QUEEN_SWEEPER_MAX_SLEEP_MS"):
         Settings.from_env({**url, "QUEEN_SWEEPER_MIN_SLEEP_MS": "1001"})
     assert Settings.from_env({**url, "QUEEN_SWEEPER_MIN_SLEEP_MS": "1000"}).sweeper_min_sleep_ms == 1000
+    # no LISTEN behind a transaction pooler without a direct URL: a minimum of 0 would poll without a pause
+    pooled = {**url, "QUEEN_POOL_MODE": "transaction", "QUEEN_SWEEPER_MIN_SLEEP_MS": "0"}
+    with pytest.raises(ConfigError, match="QUEEN_SWEEPER_MIN_SLEEP_MS=0 with QUEEN_POOL_MODE=transaction"):
+        Settings.from_env(pooled)
+    assert Settings.from_env({**pooled, "QUEEN_SWEEPER_MIN_SLEEP_MS": "1"}).sweeper_min_sleep_ms == 1
+    assert Settings.from_env({**pooled, "QUEEN_DIRECT_DATABASE_URL": "postgresql://x/z"}).sweeper_min_sleep_ms == 0
+    assert Settings.from_env({**url, "QUEEN_SWEEPER_MIN_SLEEP_MS": "0"}).sweeper_min_sleep_ms == 0
     jwt = {**url, "QUEEN_AUTH": "jwt"}
     with pytest.raises(ConfigError, match="not both"):
         Settings.from_env({**jwt, "QUEEN_JWT_SECRET": "s" * 32, "QUEEN_JWT_PUBLIC_KEY": "x"})
