@@ -74,6 +74,13 @@ ACCEPTED_TOKENS = 1024
 REFUSED_TOKENS = 4096  # refusals remembered: a digest of 16 bytes and a short text each (about 1 MB at most)
 
 
+def _remember(memory: dict, key, value, most: int) -> None:
+    """key -> value in a memory of at most `most` entries, the oldest forgotten first."""
+    if len(memory) >= most:
+        del memory[next(iter(memory))]
+    memory[key] = value
+
+
 class _NotYet(Exception):
     """A token refused only because its nbf or iat lies ahead: never remembered."""
 
@@ -184,9 +191,7 @@ class Authenticator:
         except _NotYet as exc:  # nbf or iat ahead: it may pass later
             raise ApiError(401, "unauthorized", exc.detail) from None
         except ApiError as exc:
-            if len(self.refused) >= REFUSED_TOKENS:
-                del self.refused[next(iter(self.refused))]
-            self.refused[digest] = exc.detail or ""
+            _remember(self.refused, digest, exc.detail or "", REFUSED_TOKENS)
             raise
 
     def _verified(self, token: str) -> Principal:
@@ -224,9 +229,7 @@ class Authenticator:
             raise ApiError(401, "unauthorized",
                            f"the token's role claim must be one of {', '.join(GRANTS)}")
         principal = Principal(tenant=claims["tenant"], sub=claims["sub"], role=role)
-        if len(self.accepted) >= ACCEPTED_TOKENS:
-            del self.accepted[next(iter(self.accepted))]
-        self.accepted[token] = (principal, float(claims["exp"]))
+        _remember(self.accepted, token, (principal, float(claims["exp"])), ACCEPTED_TOKENS)
         return principal
 
     def _signed(self, token: str) -> bool:

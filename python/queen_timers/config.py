@@ -181,6 +181,15 @@ class Settings:
     statement_timeout_ms: int = 5000
     connect_timeout_s: int = 5
 
+    @property
+    def listen_url(self) -> str | None:
+        """Where the sweeper's LISTEN can hold a session: QUEEN_DIRECT_DATABASE_URL; the
+        database URL when no transaction pooler is between; else None (the sweeper polls at
+        QUEEN_SWEEPER_MIN_SLEEP_MS)."""
+        if self.direct_database_url:
+            return self.direct_database_url
+        return None if self.pool_mode == "transaction" else self.database_url
+
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> "Settings":
         env = dict(os.environ if env is None else env)
@@ -253,8 +262,7 @@ class Settings:
                               f"{settings.sweeper_max_sleep_ms}")
         if settings.sweeper_min_sleep_ms > settings.sweeper_max_sleep_ms:
             raise ConfigError("QUEEN_SWEEPER_MIN_SLEEP_MS must not exceed QUEEN_SWEEPER_MAX_SLEEP_MS")
-        if settings.sweeper_min_sleep_ms == 0 and settings.pool_mode == "transaction" \
-                and not settings.direct_database_url:
+        if settings.sweeper_min_sleep_ms == 0 and settings.listen_url is None:
             # no LISTEN through a transaction pooler: the sweeper polls at the minimum sleep, and 0
             # would send its next-due query through the pooler without a pause, thousands a second
             raise ConfigError("QUEEN_SWEEPER_MIN_SLEEP_MS=0 with QUEEN_POOL_MODE=transaction and no "

@@ -1001,14 +1001,6 @@ def make_pool(settings: Settings, *, read: bool = False) -> BrokerPool:
     )
 
 
-def listen_url(settings: Settings) -> str | None:
-    """Where LISTEN can hold a session: QUEEN_DIRECT_DATABASE_URL; the database URL when no
-    transaction pooler is between; else None (the sweeper polls)."""
-    if settings.direct_database_url:
-        return settings.direct_database_url
-    return None if pooled(settings) else settings.database_url
-
-
 async def connect(settings: Settings, role: str, url: str | None = None) -> AsyncConnection:
     """A dedicated autocommit connection to the primary (sweeper, LISTEN).
 

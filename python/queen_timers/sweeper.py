@@ -174,7 +174,7 @@ class Sweeper:
         if _connection_broken(self._conn):
             # QUEEN_DIRECT_DATABASE_URL, when set: the fire's one connection needs no pooler
             self._conn = await db.connect(self.settings, "sweeper", self.settings.direct_database_url)
-        url = db.listen_url(self.settings)
+        url = self.settings.listen_url
         if _connection_broken(self._listen) and url is not None:
             self._listen = None
             try:
@@ -413,7 +413,7 @@ class Sweeper:
         due_ms = row["ms"]
         wait_ms = s.sweeper_max_sleep_ms if due_ms is None else due_ms
         wait_ms = min(max(wait_ms, s.sweeper_min_sleep_ms), s.sweeper_max_sleep_ms)
-        if db.listen_url(s) is None:
+        if s.listen_url is None:
             # behind a transaction pooler with no direct URL no NOTIFY can wake it:
             # poll at the minimum sleep (a timer fires up to that much late)
             wait_ms = s.sweeper_min_sleep_ms
