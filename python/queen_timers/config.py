@@ -179,6 +179,8 @@ class Settings:
     pool_max: int = 10
     pool_timeout_ms: int = 2000
     statement_timeout_ms: int = 5000
+    # how long past its statement timeout a request's statement may go unanswered (db.BrokerPool)
+    deadline_grace_ms: int = 2000
     connect_timeout_s: int = 5
 
     @property
@@ -242,6 +244,7 @@ class Settings:
             pool_max=_int(env, "QUEEN_POOL_MAX", 10, 1, MAX_POOL),
             pool_timeout_ms=_int(env, "QUEEN_POOL_TIMEOUT_MS", 2000, 1),
             statement_timeout_ms=_int(env, "QUEEN_STATEMENT_TIMEOUT_MS", 5000, 0, INT32_MAX),
+            deadline_grace_ms=_int(env, "QUEEN_DEADLINE_GRACE_MS", 2000, 1, INT32_MAX),
             # libpq's floor is 2 s; 0 would mean "wait forever" there, which the broker never does
             connect_timeout_s=_int(env, "QUEEN_CONNECT_TIMEOUT_S", 5, 2),
         )

@@ -11,7 +11,7 @@ default when the URL sets none) picks the one that accepts writes. After a
 promotion the broker's connections to the old primary break; every new
 connection lands on the new primary by the same rule. The broker adds no
 cluster protocol of its own: it only bounds every wait (connect_timeout,
-TCP keepalives, tcp_user_timeout) and discards a pooled connection whose
+TCP keepalives, tcp_user_timeout, a deadline over a request's statements) and discards a pooled connection whose
 server closed it or turned read-only (a standby, or a primary fenced with
 default_transaction_read_only) instead of handing it to a request.
 
@@ -35,6 +35,8 @@ import itertools
 import logging
 import os
 import re
+import select
+import socket
 import struct
 import weakref
 from importlib import resources
@@ -50,7 +52,7 @@ from psycopg_pool import AsyncConnectionPool, PoolTimeout
 
 from .bodies import count_down
 from .config import Settings, tenant_share
-from .errors import ReadOnlyServer
+from .errors import DeadlinePassed, ReadOnlyServer
 
 log = logging.getLogger("queen_timers.db")
 
@@ -152,6 +154,16 @@ async def bounded(conn: AsyncConnection, settings: Settings):
     async with conn.transaction():
         await conn.execute(SET_TIMEOUT, (str(settings.statement_timeout_ms),))
         yield conn
+
+
+async def set_statement_timeout(conn: AsyncConnection, settings: Settings, ms: int, *, statements: int) -> None:
+    """A statement timeout of `ms` for the rest of the caller's transaction (SET LOCAL), for
+    work scaled to its size, and the lease's deadline with it (BrokerPool's watch): that
+    many such statements end to end from now, plus QUEEN_DEADLINE_GRACE_MS."""
+    await conn.execute(SET_TIMEOUT, (str(ms),))
+    pool = getattr(conn, "_pool", None)  # the pool a connection belongs to while it is out
+    if isinstance(pool, BrokerPool) and conn in pool._deadlines:
+        pool._deadlines[conn] = monotonic() + (statements * ms + settings.deadline_grace_ms) / 1000
 
 
 async def fetch_bounded(conn: AsyncConnection, settings: Settings, sql: str, params: tuple) -> list:
@@ -422,7 +434,8 @@ def _check(res: pq.abc.PGresult) -> pq.abc.PGresult:
 async def _result(loop: asyncio.AbstractEventLoop, pg: pq.abc.PGconn) -> pq.abc.PGresult:
     """The one result of the query just sent: flushed, then read as the socket becomes
     readable (one reader callback per wait, no timer: the statement timeout bounds the
-    server, TCP keepalives and tcp_user_timeout a silent network). The connection was
+    server, TCP keepalives and tcp_user_timeout a silent network, BrokerPool's watch the
+    rest). The connection was
     idle, libpq's buffer empty: the first read waits for the socket (a read straight
     after the send only meets EAGAIN). Interrupted midway (the broker shutting down), the
     connection is closed, never pooled mid-query."""
@@ -453,6 +466,14 @@ def _read_result(pg: pq.abc.PGconn, result: pq.abc.PGresult | None) -> tuple[boo
             return True, result
         result = res  # the last one is the query's (there is one)
     return False, result
+
+
+def _unread(fd: int) -> bool:
+    """The socket holds what the server sent and no one has read yet (a busy loop, not a
+    silent server). poll, not select: a broker's descriptors may pass FD_SETSIZE."""
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    return bool(poller.poll(0))
 
 
 def _drop_if_unusable(pg: pq.abc.PGconn) -> None:
@@ -634,6 +655,8 @@ class Lease:
                 pool._give_share(tenant)
             raise
         self.conn = conn
+        if pool.budget_s is not None:
+            pool._deadlines[conn] = monotonic() + pool.budget_s
         if pool.pooled:
             bound = bounded(conn, pool.settings)
             try:
@@ -659,6 +682,8 @@ class Lease:
                 pool._give_share(tenant)
             return None
         self.conn = conn
+        if pool.budget_s is not None:
+            pool._deadlines[conn] = monotonic() + pool.budget_s
         return conn
 
     def give_now(self) -> bool:
@@ -666,6 +691,7 @@ class Lease:
         it needs __aexit__ (a transaction to commit, a connection to close or to queue)."""
         pool, conn = self.pool, self.conn
         if self.bound is None and id(conn) not in pool._discard and pool._give_idle(conn):
+            pool._deadlines.pop(conn, None)
             if self.tenant is not None:
                 pool._give_share(self.tenant)
             return True
@@ -688,6 +714,11 @@ class Lease:
         the statement's error `exc` came from a standby."""
         pool, conn = self.pool, self.conn
         try:
+            if pool._deadlines.pop(conn, None) is None and conn in pool._cut:
+                pool._cut.discard(conn)
+                if exc is not None:  # the watch closed the connection under the statement
+                    raise DeadlinePassed("the database did not answer by the lease's deadline (the statement "
+                                         "timeout plus QUEEN_DEADLINE_GRACE_MS): the connection was closed") from exc
             if isinstance(exc, psycopg.Error) and pool.writable and await pool._on_standby(conn, exc):
                 raise ReadOnlyServer("the database is read-only right now (a standby, or a primary "
                                      "being switched over)") from exc
@@ -822,6 +853,62 @@ class BrokerPool(AsyncConnectionPool):
         self.tenant_share = tenant_share(self.max_size, settings.auth)
         self._by_tenant: dict[str, int] = {}
         self._tenant_waiters: dict[str, collections.deque] = {}
+        # each leased connection's deadline (see _watch); none without a statement timeout
+        timeout_ms = settings.statement_timeout_ms
+        self.budget_s = (timeout_ms + settings.deadline_grace_ms) / 1000 if timeout_ms else None
+        self.watch_every_s = max(min(0.25, settings.deadline_grace_ms / 4000), 0.005)
+        self._deadlines: dict[AsyncConnection, float] = {}
+        self._cut: set[AsyncConnection] = set()  # closed by _watch, until their lease ends
+        self._watch_timer: asyncio.TimerHandle | None = None
+
+    async def open(self, wait: bool = False, timeout: float = 30.0) -> None:
+        await super().open(wait=wait, timeout=timeout)
+        if self.budget_s is not None and self._watch_timer is None:
+            self._watch_timer = asyncio.get_running_loop().call_later(self.watch_every_s, self._watch)
+
+    async def close(self, timeout: float = 5.0) -> None:
+        if self._watch_timer is not None:
+            self._watch_timer.cancel()
+            self._watch_timer = None
+        await super().close(timeout=timeout)
+
+    # The broker's own deadline over a request's database work. PostgreSQL's statement
+    # timeout bounds a statement the server runs, TCP keepalives and tcp_user_timeout a
+    # server that vanished; neither bounds a server that is hung but up (stuck on its
+    # storage, stopped: its kernel still acknowledges) nor a commit waiting for a
+    # synchronous standby (no statement timeout applies to that wait). A lease's deadline
+    # is the statement timeout plus QUEEN_DEADLINE_GRACE_MS (set_statement_timeout scales
+    # it); past it, a statement still in flight with nothing to read has its connection
+    # shut down under it: the waiting request wakes on the closed socket and answers 503,
+    # the pool opens another connection. No cancel is sent: on a commit waiting for its
+    # standby a cancel makes the commit visible on the primary alone, which
+    # synchronous_mode_strict exists to prevent. A timer on the loop, four checks a second:
+    # the hot paths only record and drop their deadline.
+
+    def _watch(self) -> None:
+        try:
+            now = monotonic()
+            for conn in [c for c, deadline in self._deadlines.items() if deadline <= now]:
+                try:
+                    pg = conn.pgconn
+                    if pg.transaction_status == TransactionStatus.ACTIVE and not _unread(pg.socket):
+                        self._shut(conn)
+                except Exception:  # closed meanwhile, or its socket gone: its lease ends it
+                    log.debug("pool %s: deadline check skipped a connection", self.name, exc_info=True)
+        finally:
+            self._watch_timer = asyncio.get_running_loop().call_later(self.watch_every_s, self._watch)
+
+    def _shut(self, conn: AsyncConnection) -> None:
+        with socket.socket(fileno=os.dup(conn.pgconn.socket)) as sock:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:  # already closed by the peer
+                pass
+        del self._deadlines[conn]
+        self._cut.add(conn)
+        log.warning("pool %s: a statement had no answer within the lease's deadline (the statement timeout "
+                    "plus QUEEN_DEADLINE_GRACE_MS): its connection is closed, the request answers 503 (a hung "
+                    "server, or a commit waiting for a synchronous standby)", self.name)
 
     def connection(self, timeout: float | None = None, tenant: str | None = None) -> "Lease":
         """A connection for one request's work (`async with pool.connection() as conn`): in a

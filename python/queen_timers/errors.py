@@ -172,6 +172,12 @@ class ReadOnlyServer(psycopg.OperationalError):
     """The connection's server accepts no writes (hot standby, or fenced read-only)."""
 
 
+class DeadlinePassed(psycopg.OperationalError):
+    """A statement had no answer by its statement timeout plus QUEEN_DEADLINE_GRACE_MS: the
+    broker closed its connection (db.BrokerPool's watch: a hung server, or a commit waiting
+    for a synchronous standby, where PostgreSQL's own timeout does not apply)."""
+
+
 def is_read_only(exc: BaseException) -> bool:
     """The server refused a write because it is read-only (standby or fenced primary)."""
     return isinstance(exc, ReadOnlyServer) or (
@@ -213,7 +219,7 @@ def from_exception(exc: BaseException) -> ApiError | None:
             return ApiError(503, "timers_unavailable",
                             "the database is read-only right now (a standby, or a primary being switched over)",
                             {"Retry-After": "1"})
-        if isinstance(exc, pgerrors.QueryCanceled):
+        if isinstance(exc, (pgerrors.QueryCanceled, DeadlinePassed)):
             return ApiError(503, "timers_unavailable", "the database did not answer in time",
                             {"Retry-After": "1"})
         if sqlstate is None or is_transient_sqlstate(sqlstate) or isinstance(exc, psycopg.OperationalError):

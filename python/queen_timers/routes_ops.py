@@ -134,7 +134,7 @@ async def timers_stats(request: Request) -> JSONResponse:
         as_of = start["as_of"]
         if settings.statement_timeout_ms:  # each statement passes over the tenant's timers
             timeout = settings.statement_timeout_ms + math.ceil(start["pending"] / 1e6) * STATS_MS_PER_MILLION
-            await conn.execute(db.SET_TIMEOUT, (str(timeout),))
+            await db.set_statement_timeout(conn, settings, timeout, statements=2)  # the totals, the page
         cur = await conn.execute(TOTALS_SQL, (principal.tenant, buckets, bucket_seconds, as_of))
         totals = await cur.fetchone()
         # one row past the page says whether another page follows

@@ -760,7 +760,7 @@ async def _schedule_staged(conn, ops: list[dict], staged: int, principal, settin
     async with conn.transaction():
         if settings.statement_timeout_ms:
             timeout = settings.statement_timeout_ms + math.ceil(staged / (1 << 20)) * STAGED_MS_PER_MIB
-            await conn.execute(db.SET_TIMEOUT, (str(timeout),))
+            await db.set_statement_timeout(conn, settings, timeout, statements=2)  # the COPY, the call
         if upserts:
             cur = await conn.execute(ENCRYPTING_QUEUES_SQL, (principal.tenant, upserts))
             encrypting = {r["name"] for r in await cur.fetchall()}
