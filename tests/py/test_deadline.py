@@ -33,7 +33,7 @@ def _timed(fn) -> tuple[httpx.Response, float]:
 
 
 @contextlib.contextmanager
-def _no_synchronous_standby(admin_dsn: str):
+def no_synchronous_standby(admin_dsn: str):
     """Every commit that asks for a synchronous standby waits: none is connected. Released
     (the waiters woken, their commits done) on the way out."""
     with psycopg.connect(admin_dsn, autocommit=True) as admin:
@@ -76,7 +76,7 @@ def test_a_commit_waiting_for_a_synchronous_standby_answers_503_by_the_deadline(
     with b.client(timeout=30) as c:
         assert post(c, op("schedule", "held")).status_code == 200
         assert c.post("/api/v1/configure", json={"queue": "orders"}).status_code == 200
-        with _no_synchronous_standby(admin_dsn):
+        with no_synchronous_standby(admin_dsn):
             # the three ways a request waits for PostgreSQL: the direct lane (DELETE),
             # fetch_row (POST /api/v1/timers) and psycopg's cursor (a log push)
             for send in (lambda: c.delete("/api/v1/timers/reminders/held"),

@@ -6,7 +6,8 @@ connections and a query_wait_timeout of 2 s. The brokers run with
 QUEEN_POOL_MODE=transaction: no startup options, no prepared statements, the
 statement timeout per transaction. Every route, the CLI, a pgbouncer restart
 and PAUSE/RESUME mid-load (nothing lost, nothing fired twice), an exhausted
-pool (503 with Retry-After) and the statement timeout are checked through it.
+pool (503 with Retry-After), the statement timeout and the broker's deadline over a commit
+waiting for a synchronous standby are checked through it.
 A second pgbouncer hands out its idle server connections in turn
 (server_round_robin): the sweeper's fair share keeps its turn across them.
 """
@@ -130,6 +131,27 @@ def test_the_statement_timeout_is_applied_per_transaction(pooled, db, database_u
     assert r.status_code == 503 and r.headers["retry-after"] == "1", r.text
     assert r.json()["error"] == "timers_unavailable"
     assert took < 2.5, f"the 300 ms timeout did not apply: {took:.1f} s"
+
+
+def test_a_commit_waiting_for_a_synchronous_standby_answers_503_by_the_broker_deadline(pooled, db, admin_dsn):
+    """Behind the pooler too the commit of the request's transaction (COMMIT, after the SET LOCAL
+    timeout and the statement) waits for a standby with no timeout of PostgreSQL's: the broker's
+    deadline answers it (test_deadline), and pgbouncer serves again once the standby requirement
+    is lifted."""
+    from test_deadline import LATEST_S, TIMEOUTS, no_synchronous_standby
+    b = pooled(**TIMEOUTS)
+    with b.client(timeout=30) as c:
+        assert post(c, op("schedule", "held")).status_code == 200
+        with no_synchronous_standby(admin_dsn):
+            for send in (lambda: c.delete("/api/v1/timers/reminders/held"), lambda: post(c, op("schedule", "new"))):
+                start = time.monotonic()
+                r = send()
+                assert time.monotonic() - start < LATEST_S
+                assert r.status_code == 503 and r.headers["retry-after"] == "1", r.text
+                assert r.json()["detail"] == "the database did not answer in time", r.text
+        assert post(c, op("schedule", "after")).json()["results"][0]["status"] == "scheduled"
+        assert c.delete("/api/v1/timers/reminders/after").json()["status"] == "cancelled"
+    assert "Traceback" not in b.log()
 
 
 def test_an_exhausted_pool_answers_503_with_retry_after(pooled, bouncer, db):
