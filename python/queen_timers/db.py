@@ -11,9 +11,10 @@ default when the URL sets none) picks the one that accepts writes. After a
 promotion the broker's connections to the old primary break; every new
 connection lands on the new primary by the same rule. The broker adds no
 cluster protocol of its own: it only bounds every wait (connect_timeout,
-TCP keepalives, tcp_user_timeout, a deadline over a request's statements) and discards a pooled connection whose
-server closed it or turned read-only (a standby, or a primary fenced with
-default_transaction_read_only) instead of handing it to a request.
+TCP keepalives, tcp_user_timeout, a deadline over a request's statements)
+and discards a pooled connection whose server closed it or turned read-only
+(a standby, or a primary fenced with default_transaction_read_only) instead
+of handing it to a request.
 
 Behind a transaction pooler (QUEEN_POOL_MODE=transaction: pgbouncer's
 pool_mode=transaction) a connection's session is not its own: each
@@ -159,11 +160,12 @@ async def bounded(conn: AsyncConnection, settings: Settings):
 async def set_statement_timeout(conn: AsyncConnection, settings: Settings, ms: int, *, statements: int) -> None:
     """A statement timeout of `ms` for the rest of the caller's transaction (SET LOCAL), for
     work scaled to its size, and the lease's deadline with it (BrokerPool's watch): that
-    many such statements end to end from now, plus QUEEN_DEADLINE_GRACE_MS."""
+    many such statements back to back, plus QUEEN_DEADLINE_GRACE_MS."""
     await conn.execute(SET_TIMEOUT, (str(ms),))
     pool = getattr(conn, "_pool", None)  # the pool a connection belongs to while it is out
-    if isinstance(pool, BrokerPool) and conn in pool._deadlines:
-        pool._deadlines[conn] = monotonic() + (statements * ms + settings.deadline_grace_ms) / 1000
+    lease = pool._leased.get(conn) if isinstance(pool, BrokerPool) else None
+    if lease is not None:
+        lease.budget = (statements * ms + settings.deadline_grace_ms) / 1000
 
 
 async def fetch_bounded(conn: AsyncConnection, settings: Settings, sql: str, params: tuple) -> list:
@@ -435,10 +437,9 @@ async def _result(loop: asyncio.AbstractEventLoop, pg: pq.abc.PGconn) -> pq.abc.
     """The one result of the query just sent: flushed, then read as the socket becomes
     readable (one reader callback per wait, no timer: the statement timeout bounds the
     server, TCP keepalives and tcp_user_timeout a silent network, BrokerPool's watch the
-    rest). The connection was
-    idle, libpq's buffer empty: the first read waits for the socket (a read straight
-    after the send only meets EAGAIN). Interrupted midway (the broker shutting down), the
-    connection is closed, never pooled mid-query."""
+    rest). The connection was idle, libpq's buffer empty: the first read waits for the
+    socket (a read straight after the send only meets EAGAIN). Interrupted midway (the
+    broker shutting down), the connection is closed, never pooled mid-query."""
     fd = pg.socket
     result = None
     try:
@@ -466,6 +467,10 @@ def _read_result(pg: pq.abc.PGconn, result: pq.abc.PGresult | None) -> tuple[boo
             return True, result
         result = res  # the last one is the query's (there is one)
     return False, result
+
+
+def _nothing() -> None:
+    pass
 
 
 def _unread(fd: int) -> bool:
@@ -634,12 +639,13 @@ class Lease:
     that failed on what turned out to be a standby raises ReadOnlyServer. A class, not
     an asynccontextmanager: its generator and wrappers cost 2 us a request."""
 
-    __slots__ = ("pool", "timeout", "tenant", "conn", "bound")
+    __slots__ = ("pool", "timeout", "tenant", "conn", "bound", "budget")
 
     def __init__(self, pool: BrokerPool, timeout: float | None, tenant: str | None):
         self.pool, self.timeout, self.tenant = pool, timeout, tenant
         self.conn: AsyncConnection | None = None
         self.bound = None  # bounded()'s context behind a transaction pooler
+        self.budget = pool.budget_s  # how long a statement may go unanswered (BrokerPool._watch)
 
     async def __aenter__(self) -> AsyncConnection:
         pool, tenant = self.pool, self.tenant
@@ -656,7 +662,7 @@ class Lease:
             raise
         self.conn = conn
         if pool.budget_s is not None:
-            pool._deadlines[conn] = monotonic() + pool.budget_s
+            pool._leased[conn] = self
         if pool.pooled:
             bound = bounded(conn, pool.settings)
             try:
@@ -683,7 +689,7 @@ class Lease:
             return None
         self.conn = conn
         if pool.budget_s is not None:
-            pool._deadlines[conn] = monotonic() + pool.budget_s
+            pool._leased[conn] = self
         return conn
 
     def give_now(self) -> bool:
@@ -691,7 +697,7 @@ class Lease:
         it needs __aexit__ (a transaction to commit, a connection to close or to queue)."""
         pool, conn = self.pool, self.conn
         if self.bound is None and id(conn) not in pool._discard and pool._give_idle(conn):
-            pool._deadlines.pop(conn, None)
+            pool._leased.pop(conn, None)
             if self.tenant is not None:
                 pool._give_share(self.tenant)
             return True
@@ -714,7 +720,7 @@ class Lease:
         the statement's error `exc` came from a standby."""
         pool, conn = self.pool, self.conn
         try:
-            if pool._deadlines.pop(conn, None) is None and conn in pool._cut:
+            if pool._leased.pop(conn, None) is None and conn in pool._cut:
                 pool._cut.discard(conn)
                 if exc is not None:  # the watch closed the connection under the statement
                     raise DeadlinePassed("the database did not answer by the lease's deadline (the statement "
@@ -853,13 +859,15 @@ class BrokerPool(AsyncConnectionPool):
         self.tenant_share = tenant_share(self.max_size, settings.auth)
         self._by_tenant: dict[str, int] = {}
         self._tenant_waiters: dict[str, collections.deque] = {}
-        # each leased connection's deadline (see _watch); none without a statement timeout
+        # the broker's deadline (see _watch); none without a statement timeout
         timeout_ms = settings.statement_timeout_ms
         self.budget_s = (timeout_ms + settings.deadline_grace_ms) / 1000 if timeout_ms else None
         self.watch_every_s = max(min(0.25, settings.deadline_grace_ms / 4000), 0.005)
-        self._deadlines: dict[AsyncConnection, float] = {}
+        self._leased: dict[AsyncConnection, Lease] = {}  # the connections out, with their lease
+        self._busy: dict[AsyncConnection, tuple[Lease, float]] = {}  # seen waiting: since when, in which lease
         self._cut: set[AsyncConnection] = set()  # closed by _watch, until their lease ends
         self._watch_timer: asyncio.TimerHandle | None = None
+        self.on_deadline = _nothing  # app.py counts them (queen_timers_database_deadlines_total)
 
     async def open(self, wait: bool = False, timeout: float = 30.0) -> None:
         await super().open(wait=wait, timeout=timeout)
@@ -876,25 +884,36 @@ class BrokerPool(AsyncConnectionPool):
     # timeout bounds a statement the server runs, TCP keepalives and tcp_user_timeout a
     # server that vanished; neither bounds a server that is hung but up (stuck on its
     # storage, stopped: its kernel still acknowledges) nor a commit waiting for a
-    # synchronous standby (no statement timeout applies to that wait). A lease's deadline
-    # is the statement timeout plus QUEEN_DEADLINE_GRACE_MS (set_statement_timeout scales
-    # it); past it, a statement still in flight with nothing to read has its connection
-    # shut down under it: the waiting request wakes on the closed socket and answers 503,
-    # the pool opens another connection. No cancel is sent: on a commit waiting for its
-    # standby a cancel makes the commit visible on the primary alone, which
-    # synchronous_mode_strict exists to prevent. A timer on the loop, four checks a second:
-    # the hot paths only record and drop their deadline.
+    # synchronous standby (no statement timeout applies to that wait). A timer on the loop
+    # looks at the leased connections four times a second: one seen with a statement in
+    # flight and nothing from the server to read, in the same lease, for the statement
+    # timeout plus QUEEN_DEADLINE_GRACE_MS (the lease's budget: set_statement_timeout
+    # scales it) has its socket shut down under it: the waiting request wakes on the closed
+    # socket and answers 503, the pool opens another connection. Time the loop took to send
+    # the statement or to read an answer already there is not counted. No cancel is sent:
+    # on a commit waiting for its standby a cancel makes the commit visible on the primary
+    # alone, which synchronous_mode_strict exists to prevent. The hot paths only record and
+    # drop their lease.
 
     def _watch(self) -> None:
         try:
             now = monotonic()
-            for conn in [c for c, deadline in self._deadlines.items() if deadline <= now]:
+            busy = self._busy
+            for conn, lease in list(self._leased.items()):
                 try:
                     pg = conn.pgconn
-                    if pg.transaction_status == TransactionStatus.ACTIVE and not _unread(pg.socket):
+                    if pg.transaction_status != TransactionStatus.ACTIVE or _unread(pg.socket):
+                        busy.pop(conn, None)  # between statements, or an answer to read: not waiting
+                        continue
+                    seen = busy.get(conn)
+                    if seen is None or seen[0] is not lease:
+                        busy[conn] = (lease, now)
+                    elif now - seen[1] >= lease.budget:
                         self._shut(conn)
                 except Exception:  # closed meanwhile, or its socket gone: its lease ends it
                     log.debug("pool %s: deadline check skipped a connection", self.name, exc_info=True)
+            for conn in [c for c in busy if c not in self._leased]:
+                del busy[conn]
         finally:
             self._watch_timer = asyncio.get_running_loop().call_later(self.watch_every_s, self._watch)
 
@@ -904,8 +923,10 @@ class BrokerPool(AsyncConnectionPool):
                 sock.shutdown(socket.SHUT_RDWR)
             except OSError:  # already closed by the peer
                 pass
-        del self._deadlines[conn]
+        del self._leased[conn]
+        self._busy.pop(conn, None)
         self._cut.add(conn)
+        self.on_deadline()
         log.warning("pool %s: a statement had no answer within the lease's deadline (the statement timeout "
                     "plus QUEEN_DEADLINE_GRACE_MS): its connection is closed, the request answers 503 (a hung "
                     "server, or a commit waiting for a synchronous standby)", self.name)

@@ -165,6 +165,11 @@ class Metrics:
             "queen_timers_http_send_timeouts",
             "Connections closed because their client took none of an answer for QUEEN_SEND_TIMEOUT_MS",
             registry=r)
+        self.database_deadlines = Counter(
+            "queen_timers_database_deadlines",
+            "Request connections closed because a statement had no answer by the statement timeout plus "
+            "QUEEN_DEADLINE_GRACE_MS (a hung server, or a commit waiting for a synchronous standby)",
+            registry=r)
         self.http_reclaimed = Counter(
             "queen_timers_http_connections_reclaimed",
             "Idle connections closed to admit a new one past QUEEN_MAX_CONNECTIONS (server.py)",

@@ -10,6 +10,7 @@ must serve again once the server does, on new connections.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import signal
@@ -99,6 +100,8 @@ def test_a_commit_waiting_for_a_synchronous_standby_answers_503_by_the_deadline(
         assert c.delete("/api/v1/timers/reminders/after").json()["status"] == "cancelled"
     log = b.log()
     assert log.count("had no answer within the lease's deadline") == 3, log
+    metrics = httpx.get(f"{b.url}/metrics/prometheus", timeout=10).text
+    assert "\nqueen_timers_database_deadlines_total 3.0\n" in metrics, metrics
     assert "Traceback" not in log
 
 
@@ -136,3 +139,46 @@ def test_without_a_statement_timeout_there_is_no_deadline(spawn_broker, db, admi
         t.join(10)
         assert answer and answer[0].json()["status"] == "cancelled", answer
     assert "had no answer" not in b.log()
+
+
+def _on_pool(database_url: str, body):
+    """`await body(pool)` on a BrokerPool whose budget is 1 s of statement timeout + 0.3 s."""
+    from queen_timers import db as qdb
+    from queen_timers.config import Settings
+
+    async def go():
+        pool = qdb.make_pool(Settings(database_url=database_url, broker_id="deadline", pool_min=1, pool_max=1,
+                                      statement_timeout_ms=1000, deadline_grace_ms=300))
+        await pool.open(wait=True)
+        try:
+            return await body(pool), len(pool._cut), pool.get_stats().get("connections_lost", 0)
+        finally:
+            await pool.close()
+    return asyncio.run(go())
+
+
+def test_the_time_a_lease_spends_before_its_statement_is_not_counted(database_url):
+    """The budget counts a statement's silence, not the lease's age: a request that held its
+    connection past the budget (its own work, a loop slow to come back to it) before sending
+    a statement that needs half the budget still gets its answer."""
+    async def body(pool):
+        async with pool.connection() as conn:
+            await asyncio.sleep(2.0)  # the connection idle in the lease, past its 1.3 s
+            cur = await conn.execute("SELECT 1 AS n FROM pg_sleep(0.7)")
+            return (await cur.fetchone())["n"]
+
+    assert _on_pool(database_url, body) == (1, 0, 0)
+
+
+def test_an_answer_the_loop_is_late_to_read_is_not_cut(database_url):
+    """A statement answered while the event loop was busy elsewhere for longer than the budget:
+    the answer waits in the socket, and the check leaves the connection alone."""
+    async def body(pool):
+        async with pool.connection() as conn:
+            task = asyncio.ensure_future(conn.execute("SELECT 2 AS n"))
+            for _ in range(3):
+                await asyncio.sleep(0)  # the statement is on the wire, its answer awaited
+            time.sleep(1.8)  # the whole loop held (a request's long parse, say)
+            return (await (await task).fetchone())["n"]
+
+    assert _on_pool(database_url, body) == (2, 0, 0)
