@@ -346,7 +346,7 @@ def create_app(settings: Settings | None = None) -> Starlette:
     app.on_send_timed_out = sweeper.metrics.http_send_timeouts.inc
     for p in (pool, read_pool):
         if p is not None:
-            p.on_deadline = sweeper.metrics.database_deadlines.inc
+            p.watch.on_cut = sweeper.metrics.database_deadlines.inc
     app.state.settings = settings
     budget = app.state.body_budget = BodyBudget(settings.body_budget_bytes, settings.body_wait_ms,
                                                 on_refuse=sweeper.metrics.body_budget_refusals.inc)

@@ -486,6 +486,109 @@ def _drop_if_unusable(pg: pq.abc.PGconn) -> None:
         pg.finish()  # a query still in flight, or a broken link: no one may reuse it
 
 
+def deadline_budget(settings: Settings) -> float | None:
+    """How long a statement may go unanswered (StatementWatch): the statement timeout plus
+    QUEEN_DEADLINE_GRACE_MS, in seconds; None (no deadline) without a statement timeout."""
+    timeout_ms = settings.statement_timeout_ms
+    return (timeout_ms + settings.deadline_grace_ms) / 1000 if timeout_ms else None
+
+
+class Budget:
+    """One watched piece of work (a request's lease): its budget in seconds."""
+    __slots__ = ("budget",)
+
+    def __init__(self, budget: float | None):
+        self.budget = budget
+
+
+class StatementWatch:
+    """The broker's own deadline over its statements. PostgreSQL's statement timeout bounds
+    a statement the server runs, TCP keepalives and tcp_user_timeout a server that vanished;
+    neither bounds a server that is hung but up (stuck on its storage, stopped: its kernel
+    still acknowledges) nor a commit waiting for a synchronous standby (no statement timeout
+    applies to that wait).
+
+    `out` maps each connection at work to its piece of work (a Budget: a request's Lease);
+    the owner puts it in and takes it out, nothing more (a dict store and a pop on the hot
+    paths). A timer on the loop looks at them four times a second: a
+    connection seen with a statement in flight and nothing from the server to read, in the
+    same piece of work, for its budget, has its socket shut down under it. The waiting
+    coroutine wakes on the closed socket with an OperationalError (cut() then says why), and
+    the connection is done for. Time the loop took to send the statement or to read an answer
+    already there is not counted, nor the gaps between statements. No cancel is sent: on a
+    commit waiting for its standby a cancel makes the commit visible on the primary alone,
+    which synchronous_mode_strict exists to prevent. The price: the server process of a cut
+    connection waits on (docs/failover.md), and the pool's replacement may be cut in turn.
+    The sweeper's own sessions are not watched: a cut there would only add such processes,
+    and its fire resumes when the server answers."""
+
+    def __init__(self, name: str, settings: Settings):
+        self.name = name
+        self.every_s = max(min(0.25, settings.deadline_grace_ms / 4000), 0.005)
+        self.out: dict[AsyncConnection, Budget] = {}
+        self._busy: dict[AsyncConnection, tuple[Budget, float]] = {}  # seen waiting: in which work, since when
+        self._cut: set[AsyncConnection] = set()  # shut by _check, until cut() is asked
+        self._timer: asyncio.TimerHandle | None = None
+        self.on_cut = _nothing  # app.py counts them (queen_timers_database_deadlines_total)
+
+    def start(self) -> None:
+        if self._timer is None:
+            self._timer = asyncio.get_running_loop().call_later(self.every_s, self._check)
+
+    def stop(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def cut(self, conn: AsyncConnection) -> bool:
+        """Whether the watch shut `conn` (asked once, when its work ends in an error)."""
+        if conn in self._cut:
+            self._cut.discard(conn)
+            return True
+        return False
+
+    def _check(self) -> None:
+        try:
+            now = monotonic()
+            busy = self._busy
+            for conn, work in list(self.out.items()):
+                try:
+                    pg = conn.pgconn
+                    if pg.transaction_status != TransactionStatus.ACTIVE or _unread(pg.socket):
+                        busy.pop(conn, None)  # between statements, or an answer to read: not waiting
+                        continue
+                    seen = busy.get(conn)
+                    if seen is None or seen[0] is not work:
+                        busy[conn] = (work, now)
+                    elif work.budget is not None and now - seen[1] >= work.budget:
+                        self._shut(conn)
+                except Exception:  # closed meanwhile, or its socket gone: its owner ends it
+                    log.debug("%s: deadline check skipped a connection", self.name, exc_info=True)
+            for conn in [c for c in busy if c not in self.out]:
+                del busy[conn]
+        finally:
+            self._timer = asyncio.get_running_loop().call_later(self.every_s, self._check)
+
+    def _shut(self, conn: AsyncConnection) -> None:
+        with socket.socket(fileno=os.dup(conn.pgconn.socket)) as sock:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:  # already closed by the peer
+                pass
+        del self.out[conn]
+        self._busy.pop(conn, None)
+        self._cut.add(conn)
+        self.on_cut()
+        log.warning("%s: a statement had no answer within its deadline (the statement timeout plus "
+                    "QUEEN_DEADLINE_GRACE_MS): its connection is closed (a hung server, or a commit waiting "
+                    "for a synchronous standby)", self.name)
+
+
+def deadline_passed(exc: BaseException) -> DeadlinePassed:
+    return DeadlinePassed("the database did not answer by the deadline (the statement timeout plus "
+                          "QUEEN_DEADLINE_GRACE_MS): the connection was closed")
+
+
 def _wake(future: asyncio.Future) -> None:
     if not future.done():  # the loop may call a reader again before the task has run
         future.set_result(None)
@@ -633,19 +736,19 @@ def read_only_server(conn: psycopg.AsyncConnection | psycopg.Connection) -> bool
             or pg.parameter_status(b"default_transaction_read_only") == b"on")
 
 
-class Lease:
+class Lease(Budget):
     """BrokerPool.connection's context: its share of the pool for the tenant, then a
     connection (the idle lane, else getconn), given back on the way out; a statement
     that failed on what turned out to be a standby raises ReadOnlyServer. A class, not
     an asynccontextmanager: its generator and wrappers cost 2 us a request."""
 
-    __slots__ = ("pool", "timeout", "tenant", "conn", "bound", "budget")
+    __slots__ = ("pool", "timeout", "tenant", "conn", "bound")
 
     def __init__(self, pool: BrokerPool, timeout: float | None, tenant: str | None):
         self.pool, self.timeout, self.tenant = pool, timeout, tenant
         self.conn: AsyncConnection | None = None
         self.bound = None  # bounded()'s context behind a transaction pooler
-        self.budget = pool.budget_s  # how long a statement may go unanswered (BrokerPool._watch)
+        self.budget = pool.budget_s  # how long a statement may go unanswered (StatementWatch)
 
     async def __aenter__(self) -> AsyncConnection:
         pool, tenant = self.pool, self.tenant
@@ -720,11 +823,8 @@ class Lease:
         the statement's error `exc` came from a standby."""
         pool, conn = self.pool, self.conn
         try:
-            if pool._leased.pop(conn, None) is None and conn in pool._cut:
-                pool._cut.discard(conn)
-                if exc is not None:  # the watch closed the connection under the statement
-                    raise DeadlinePassed("the database did not answer by the lease's deadline (the statement "
-                                         "timeout plus QUEEN_DEADLINE_GRACE_MS): the connection was closed") from exc
+            if pool._leased.pop(conn, None) is None and pool.watch.cut(conn) and exc is not None:
+                raise deadline_passed(exc) from exc  # the watch closed the connection under the statement
             if isinstance(exc, psycopg.Error) and pool.writable and await pool._on_standby(conn, exc):
                 raise ReadOnlyServer("the database is read-only right now (a standby, or a primary "
                                      "being switched over)") from exc
@@ -859,77 +959,20 @@ class BrokerPool(AsyncConnectionPool):
         self.tenant_share = tenant_share(self.max_size, settings.auth)
         self._by_tenant: dict[str, int] = {}
         self._tenant_waiters: dict[str, collections.deque] = {}
-        # the broker's deadline (see _watch); none without a statement timeout
-        timeout_ms = settings.statement_timeout_ms
-        self.budget_s = (timeout_ms + settings.deadline_grace_ms) / 1000 if timeout_ms else None
-        self.watch_every_s = max(min(0.25, settings.deadline_grace_ms / 4000), 0.005)
-        self._leased: dict[AsyncConnection, Lease] = {}  # the connections out, with their lease
-        self._busy: dict[AsyncConnection, tuple[Lease, float]] = {}  # seen waiting: since when, in which lease
-        self._cut: set[AsyncConnection] = set()  # closed by _watch, until their lease ends
-        self._watch_timer: asyncio.TimerHandle | None = None
-        self.on_deadline = _nothing  # app.py counts them (queen_timers_database_deadlines_total)
+        # the broker's deadline over the statements of the connections out (StatementWatch),
+        # with their lease; none without a statement timeout
+        self.budget_s = deadline_budget(settings)
+        self.watch = StatementWatch(f"pool {self.name}", settings)
+        self._leased = self.watch.out
 
     async def open(self, wait: bool = False, timeout: float = 30.0) -> None:
         await super().open(wait=wait, timeout=timeout)
-        if self.budget_s is not None and self._watch_timer is None:
-            self._watch_timer = asyncio.get_running_loop().call_later(self.watch_every_s, self._watch)
+        if self.budget_s is not None:
+            self.watch.start()
 
     async def close(self, timeout: float = 5.0) -> None:
-        if self._watch_timer is not None:
-            self._watch_timer.cancel()
-            self._watch_timer = None
+        self.watch.stop()
         await super().close(timeout=timeout)
-
-    # The broker's own deadline over a request's database work. PostgreSQL's statement
-    # timeout bounds a statement the server runs, TCP keepalives and tcp_user_timeout a
-    # server that vanished; neither bounds a server that is hung but up (stuck on its
-    # storage, stopped: its kernel still acknowledges) nor a commit waiting for a
-    # synchronous standby (no statement timeout applies to that wait). A timer on the loop
-    # looks at the leased connections four times a second: one seen with a statement in
-    # flight and nothing from the server to read, in the same lease, for the statement
-    # timeout plus QUEEN_DEADLINE_GRACE_MS (the lease's budget: set_statement_timeout
-    # scales it) has its socket shut down under it: the waiting request wakes on the closed
-    # socket and answers 503, the pool opens another connection. Time the loop took to send
-    # the statement or to read an answer already there is not counted. No cancel is sent:
-    # on a commit waiting for its standby a cancel makes the commit visible on the primary
-    # alone, which synchronous_mode_strict exists to prevent. The hot paths only record and
-    # drop their lease.
-
-    def _watch(self) -> None:
-        try:
-            now = monotonic()
-            busy = self._busy
-            for conn, lease in list(self._leased.items()):
-                try:
-                    pg = conn.pgconn
-                    if pg.transaction_status != TransactionStatus.ACTIVE or _unread(pg.socket):
-                        busy.pop(conn, None)  # between statements, or an answer to read: not waiting
-                        continue
-                    seen = busy.get(conn)
-                    if seen is None or seen[0] is not lease:
-                        busy[conn] = (lease, now)
-                    elif now - seen[1] >= lease.budget:
-                        self._shut(conn)
-                except Exception:  # closed meanwhile, or its socket gone: its lease ends it
-                    log.debug("pool %s: deadline check skipped a connection", self.name, exc_info=True)
-            for conn in [c for c in busy if c not in self._leased]:
-                del busy[conn]
-        finally:
-            self._watch_timer = asyncio.get_running_loop().call_later(self.watch_every_s, self._watch)
-
-    def _shut(self, conn: AsyncConnection) -> None:
-        with socket.socket(fileno=os.dup(conn.pgconn.socket)) as sock:
-            try:
-                sock.shutdown(socket.SHUT_RDWR)
-            except OSError:  # already closed by the peer
-                pass
-        del self._leased[conn]
-        self._busy.pop(conn, None)
-        self._cut.add(conn)
-        self.on_deadline()
-        log.warning("pool %s: a statement had no answer within the lease's deadline (the statement timeout "
-                    "plus QUEEN_DEADLINE_GRACE_MS): its connection is closed, the request answers 503 (a hung "
-                    "server, or a commit waiting for a synchronous standby)", self.name)
 
     def connection(self, timeout: float | None = None, tenant: str | None = None) -> "Lease":
         """A connection for one request's work (`async with pool.connection() as conn`): in a
