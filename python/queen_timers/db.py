@@ -486,21 +486,6 @@ def _drop_if_unusable(pg: pq.abc.PGconn) -> None:
         pg.finish()  # a query still in flight, or a broken link: no one may reuse it
 
 
-def deadline_budget(settings: Settings) -> float | None:
-    """How long a statement may go unanswered (StatementWatch): the statement timeout plus
-    QUEEN_DEADLINE_GRACE_MS, in seconds; None (no deadline) without a statement timeout."""
-    timeout_ms = settings.statement_timeout_ms
-    return (timeout_ms + settings.deadline_grace_ms) / 1000 if timeout_ms else None
-
-
-class Budget:
-    """One watched piece of work (a request's lease): its budget in seconds."""
-    __slots__ = ("budget",)
-
-    def __init__(self, budget: float | None):
-        self.budget = budget
-
-
 class StatementWatch:
     """The broker's own deadline over its statements. PostgreSQL's statement timeout bounds
     a statement the server runs, TCP keepalives and tcp_user_timeout a server that vanished;
@@ -508,13 +493,13 @@ class StatementWatch:
     still acknowledges) nor a commit waiting for a synchronous standby (no statement timeout
     applies to that wait).
 
-    `out` maps each connection at work to its piece of work (a Budget: a request's Lease);
-    the owner puts it in and takes it out, nothing more (a dict store and a pop on the hot
-    paths). A timer on the loop looks at them four times a second: a
+    `out` maps each leased connection to its Lease, whose `budget` is how long a statement
+    may go unanswered; the lease puts it in and takes it out, nothing more (a dict store and
+    a pop on the hot paths). A timer on the loop looks at them four times a second: a
     connection seen with a statement in flight and nothing from the server to read, in the
-    same piece of work, for its budget, has its socket shut down under it. The waiting
-    coroutine wakes on the closed socket with an OperationalError (cut() then says why), and
-    the connection is done for. Time the loop took to send the statement or to read an answer
+    same lease, for its budget, has its socket shut down under it. The waiting coroutine
+    wakes on the closed socket with an OperationalError (cut() then says why), and the
+    connection is done for. Time the loop took to send the statement or to read an answer
     already there is not counted, nor the gaps between statements. No cancel is sent: on a
     commit waiting for its standby a cancel makes the commit visible on the primary alone,
     which synchronous_mode_strict exists to prevent. The price: the server process of a cut
@@ -525,8 +510,8 @@ class StatementWatch:
     def __init__(self, name: str, settings: Settings):
         self.name = name
         self.every_s = max(min(0.25, settings.deadline_grace_ms / 4000), 0.005)
-        self.out: dict[AsyncConnection, Budget] = {}
-        self._busy: dict[AsyncConnection, tuple[Budget, float]] = {}  # seen waiting: in which work, since when
+        self.out: dict[AsyncConnection, Lease] = {}
+        self._busy: dict[AsyncConnection, tuple[Lease, float]] = {}  # seen waiting: in which lease, since when
         self._cut: set[AsyncConnection] = set()  # shut by _check, until cut() is asked
         self._timer: asyncio.TimerHandle | None = None
         self.on_cut = _nothing  # app.py counts them (queen_timers_database_deadlines_total)
@@ -551,18 +536,18 @@ class StatementWatch:
         try:
             now = monotonic()
             busy = self._busy
-            for conn, work in list(self.out.items()):
+            for conn, lease in list(self.out.items()):
                 try:
                     pg = conn.pgconn
                     if pg.transaction_status != TransactionStatus.ACTIVE or _unread(pg.socket):
                         busy.pop(conn, None)  # between statements, or an answer to read: not waiting
                         continue
                     seen = busy.get(conn)
-                    if seen is None or seen[0] is not work:
-                        busy[conn] = (work, now)
-                    elif work.budget is not None and now - seen[1] >= work.budget:
+                    if seen is None or seen[0] is not lease:
+                        busy[conn] = (lease, now)
+                    elif now - seen[1] >= lease.budget:
                         self._shut(conn)
-                except Exception:  # closed meanwhile, or its socket gone: its owner ends it
+                except Exception:  # closed meanwhile, or its socket gone: its lease ends it
                     log.debug("%s: deadline check skipped a connection", self.name, exc_info=True)
             for conn in [c for c in busy if c not in self.out]:
                 del busy[conn]
@@ -582,11 +567,6 @@ class StatementWatch:
         log.warning("%s: a statement had no answer within its deadline (the statement timeout plus "
                     "QUEEN_DEADLINE_GRACE_MS): its connection is closed (a hung server, or a commit waiting "
                     "for a synchronous standby)", self.name)
-
-
-def deadline_passed(exc: BaseException) -> DeadlinePassed:
-    return DeadlinePassed("the database did not answer by the deadline (the statement timeout plus "
-                          "QUEEN_DEADLINE_GRACE_MS): the connection was closed")
 
 
 def _wake(future: asyncio.Future) -> None:
@@ -736,13 +716,13 @@ def read_only_server(conn: psycopg.AsyncConnection | psycopg.Connection) -> bool
             or pg.parameter_status(b"default_transaction_read_only") == b"on")
 
 
-class Lease(Budget):
+class Lease:
     """BrokerPool.connection's context: its share of the pool for the tenant, then a
     connection (the idle lane, else getconn), given back on the way out; a statement
     that failed on what turned out to be a standby raises ReadOnlyServer. A class, not
     an asynccontextmanager: its generator and wrappers cost 2 us a request."""
 
-    __slots__ = ("pool", "timeout", "tenant", "conn", "bound")
+    __slots__ = ("pool", "timeout", "tenant", "conn", "bound", "budget")
 
     def __init__(self, pool: BrokerPool, timeout: float | None, tenant: str | None):
         self.pool, self.timeout, self.tenant = pool, timeout, tenant
@@ -824,7 +804,9 @@ class Lease(Budget):
         pool, conn = self.pool, self.conn
         try:
             if pool._leased.pop(conn, None) is None and pool.watch.cut(conn) and exc is not None:
-                raise deadline_passed(exc) from exc  # the watch closed the connection under the statement
+                # the watch closed the connection under the statement
+                raise DeadlinePassed("the database did not answer by the deadline (the statement timeout "
+                                     "plus QUEEN_DEADLINE_GRACE_MS): the connection was closed") from exc
             if isinstance(exc, psycopg.Error) and pool.writable and await pool._on_standby(conn, exc):
                 raise ReadOnlyServer("the database is read-only right now (a standby, or a primary "
                                      "being switched over)") from exc
@@ -961,7 +943,8 @@ class BrokerPool(AsyncConnectionPool):
         self._tenant_waiters: dict[str, collections.deque] = {}
         # the broker's deadline over the statements of the connections out (StatementWatch),
         # with their lease; none without a statement timeout
-        self.budget_s = deadline_budget(settings)
+        timeout_ms = settings.statement_timeout_ms
+        self.budget_s = (timeout_ms + settings.deadline_grace_ms) / 1000 if timeout_ms else None
         self.watch = StatementWatch(f"pool {self.name}", settings)
         self._leased = self.watch.out
 
