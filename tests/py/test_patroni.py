@@ -167,10 +167,10 @@ def test_a_leader_whose_patroni_died_answers_every_write_by_the_broker_deadline(
                 time.sleep(0.2)
             answers: dict[str, int] = {}
             n = 0
+            payload = base64.b64encode(b'{"n":1}').decode()
             until = time.monotonic() + 10
             while time.monotonic() < until:
                 n += 1
-                payload = base64.b64encode(b'{"n":1}').decode()
                 for send in (lambda: c.post("/api/v1/timers", json={"operations": [
                                  {"op": "schedule", "queue": "reminders", "timerKey": f"k{n}", "txn": f"k{n}",
                                   "delayMs": 3_600_000, "payload": payload}]}),
