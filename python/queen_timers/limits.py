@@ -13,6 +13,7 @@ from .errors import bad_request, check_text
 
 MAX_QUEUE_BYTES = 255
 MAX_TENANT_BYTES = 255  # a JWT's tenant claim (auth.py)
+MAX_SUB_BYTES = 255  # a JWT's sub claim, stamped as producerSub (auth.py; OpenID Connect's bound)
 MAX_TIMER_KEY_BYTES = 1024
 MAX_TXN_BYTES = 255
 MAX_PARTITION_BYTES = 255

@@ -385,6 +385,17 @@ def test_a_tenant_claim_over_255_bytes_is_401_and_one_at_255_is_served(jwt_clien
     assert db.execute("SELECT tenant FROM queen.timers").fetchone()["tenant"] == at_limit
 
 
+def test_a_sub_claim_over_255_bytes_is_401_and_one_at_255_is_stamped_whole(jwt_client, db):
+    # the sub is stamped on every timer and frame (producerSub): one of 8 KB made each popped
+    # message weigh more than the body budget counted for it. OpenID Connect's bound, 255.
+    assert_refused_401(jwt_client, db, bearer(sub="é" * 128), "sub claim is 256 bytes of UTF-8; at most 255")
+    at_limit = "é" * 127 + "s"  # 255 bytes
+    r = jwt_client.post("/api/v1/timers", json={"operations": [op("schedule", "k")]},
+                        headers=bearer(sub=at_limit))
+    assert r.status_code == 200, r.text
+    assert db.execute("SELECT producer_sub FROM queen.timers").fetchone()["producer_sub"] == at_limit
+
+
 @pytest.mark.parametrize("kind, fmt, alg", [("ed25519", "openssh", "EdDSA"), ("rsa", "openssh", "RS256"),
                                             ("ed448", "pem", "EdDSA")])
 def test_an_openssh_or_ed448_public_key_verifies_its_tokens_and_no_other(monkeypatch, kind, fmt, alg):
