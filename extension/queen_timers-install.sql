@@ -2889,6 +2889,10 @@ $$;
 -- subquery with LIMIT and no seq or bitmap scan: with the statistics of an
 -- empty table, a join hashed every frame of the partition, and a bitmap
 -- scan of the log order's index read them all for each item.
+-- A dead letter keeps the first 8,192 characters of its item's error
+-- (migration 041): a client's text of any length made every DLQ page and
+-- message detail that showed it as large, and a failed ack refused for its
+-- length would only bring the message back to fail again.
 CREATE FUNCTION queen.ack_messages(
     p_tenant text,
     p_acks   queen.ack_item[],
@@ -2930,7 +2934,8 @@ BEGIN
     END IF;
 
     FOR a IN
-        SELECT x.transaction_id, x.partition_id, x.error, nullif(x.lease_id, '') AS lease_id,
+        SELECT x.transaction_id, x.partition_id, left(x.error, 8192) AS error,
+               nullif(x.lease_id, '') AS lease_id,
                CASE coalesce(x.status, 'completed') WHEN 'success' THEN 'completed'
                     ELSE coalesce(x.status, 'completed') END AS status,
                coalesce(nullif(x.consumer_group, ''), '__QUEUE_MODE__') AS grp,
@@ -3043,7 +3048,9 @@ $$;
 -- One message by partition id and transaction id, with its status
 -- derived from the DLQ, the consumer cursors and the leases (Queen's
 -- get_message_v1). No row when there is no such message in the tenant's
--- queues.
+-- queues. Its consumerGroups list the first 1,000 groups by name; the
+-- mode's counts cover every group (migration 041: any ack may name a new
+-- group, and 10,000 of them made a 3 MB detail of a 7-byte message).
 CREATE FUNCTION queen.get_message(
     p_tenant         text,
     p_partition_id   uuid,
@@ -3084,12 +3091,14 @@ BEGIN
                max(g.batch_retry_count) FILTER (WHERE NOT g.consumed) AS retry_count,
                bool_or(g.consumer_group = '__QUEUE_MODE__') AS has_queue_mode,
                count(*) FILTER (WHERE g.consumer_group <> '__QUEUE_MODE__') AS bus_groups,
-               count(*) FILTER (WHERE g.consumed) AS consumed_by,
-               coalesce(jsonb_agg(jsonb_build_object(
-                   'name', g.consumer_group, 'consumed', g.consumed, 'processing', coalesce(g.processing, false),
-                   'lastConsumedSeq', g.last_consumed_seq, 'leaseExpiresAt', g.lease_expires_at)
-                   ORDER BY g.consumer_group) FILTER (WHERE g.consumer_group IS NOT NULL), '[]'::jsonb) AS groups
+               count(*) FILTER (WHERE g.consumed) AS consumed_by
           FROM g
+    ), shown AS (  -- the groups listed: the first 1,000 by name (the counts above cover all)
+        SELECT coalesce(jsonb_agg(jsonb_build_object(
+                   'name', s.consumer_group, 'consumed', s.consumed, 'processing', coalesce(s.processing, false),
+                   'lastConsumedSeq', s.last_consumed_seq, 'leaseExpiresAt', s.lease_expires_at)
+                   ORDER BY s.consumer_group), '[]'::jsonb) AS groups
+          FROM (SELECT * FROM g WHERE g.consumer_group IS NOT NULL ORDER BY g.consumer_group LIMIT 1000) s
     )
     SELECT m.id, m.transaction_id, m.partition_id, m.queue_name, m.partition_name, m.namespace, m.task,
            CASE WHEN EXISTS (SELECT 1 FROM d) THEN 'dead_letter'
@@ -3109,18 +3118,20 @@ BEGIN
                             WHEN coalesce(agg.has_queue_mode, false) THEN 'queue'
                             WHEN agg.bus_groups > 0 THEN 'bus'
                             ELSE 'none' END),
-           agg.groups
-      FROM m CROSS JOIN agg;
+           shown.groups
+      FROM m CROSS JOIN agg CROSS JOIN shown;
 END
 $$;
 
 -- A page of the tenant's dead letters, newest first. p_queue NULL:
 -- every queue of the tenant; p_consumer_group NULL: every group (timer
 -- dead letters are under '__QUEEN_TIMERS__'). p_limit is clamped to
--- 1..1000 (default 100). p_max_bytes bounds the page's payload bytes: the
--- first entry always comes, the next ones while the payloads add up to at
--- most p_max_bytes (NULL: no bound; below 1: QTBAD). The page stops at the
--- first entry past the bound, so no payload after it is read.
+-- 1..1000 (default 100). p_max_bytes bounds the page's bytes (payloads,
+-- error texts and producers' subs): the first entry always comes, the next
+-- ones while they add up to at most p_max_bytes (NULL: no bound; below 1:
+-- QTBAD). The page stops at the first entry past the bound, so no payload
+-- after it is read. Error texts counted too (migration 041): dead letters
+-- stored with 7 MiB errors made a page of 22 MB under a bound of 16 MiB.
 CREATE FUNCTION queen.list_dlq(
     p_tenant         text,
     p_queue          text    DEFAULT NULL,
@@ -3178,7 +3189,8 @@ BEGIN
     LOOP
         FETCH c INTO r;
         EXIT WHEN NOT FOUND;
-        v_bytes := v_bytes + octet_length(r.payload);
+        v_bytes := v_bytes + octet_length(r.payload) + coalesce(octet_length(r.error_message), 0)
+                   + coalesce(octet_length(r.producer_sub), 0);
         EXIT WHEN v_n > 0 AND p_max_bytes IS NOT NULL AND v_bytes > p_max_bytes;
         v_n := v_n + 1;
         RETURN NEXT r;
@@ -3881,5 +3893,6 @@ INSERT INTO queen.schema_migrations (version, name) VALUES
     (37, 'fire_order_comment'),
     (38, 'finite_clock'),
     (39, 'log_replay_and_txn_acks'),
-    (40, 'ack_read_horizon');
+    (40, 'ack_read_horizon'),
+    (41, 'bounded_texts');
 COMMIT;

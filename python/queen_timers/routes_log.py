@@ -441,9 +441,13 @@ async def get_message(request: Request) -> JSONResponse:
                                  (principal.tenant, partition_id,
                                   _no_nul("transactionId", transaction_id)))
         r = await cur.fetchone()
-    weigh_fetched(request, 0 if r is None else len(r["payload"]), 0 if r is None else 1)
     if r is None:
+        weigh_fetched(request, 0, 0)
         return JSONResponse({"error": "Message not found"}, status_code=404)
+    # the payload and the texts beside it: an error of up to 8,192 characters, up to
+    # 1,000 consumer groups (queen.get_message)
+    weigh_fetched(request, len(r["payload"]) + _text_bytes(r["error_message"], r["producer_sub"])
+                  + sum(len(g["name"]) + GROUP_WEIGHT for g in r["consumer_groups"]), 1)
     data = _read_payload(settings, bytes(r["payload"]), r["is_encrypted"])
     value = payloads.as_json_data(data)
     return JSONResponse({
@@ -462,6 +466,16 @@ async def get_message(request: Request) -> JSONResponse:
 # ---------------------------------------------------------------------------
 # DLQ
 # ---------------------------------------------------------------------------
+
+# what one entry of a message's consumerGroups weighs in its answer besides its name
+GROUP_WEIGHT = 128
+
+
+def _text_bytes(*texts: str | None) -> int:
+    """The UTF-8 bytes of stored texts an answer holds beside a payload (a dead letter's
+    error, the producer's sub): counted as the payload is, as queen.list_dlq counts them."""
+    return sum(len(t.encode()) for t in texts if t)
+
 
 def _largest_payload(settings) -> int:
     """The largest payload a stored message can hold: a push's body, or a fired timer's."""
@@ -486,7 +500,8 @@ async def list_dlq(request: Request) -> JSONResponse:
         cur = await conn.execute("SELECT * FROM queen.list_dlq(%s, %s, %s, %s, %s, p_max_bytes => %s)",
                                  (principal.tenant, queue, group, limit, offset, settings.pop_max_bytes))
         rows = await cur.fetchall()
-        weigh_fetched(request, sum(len(r["payload"]) for r in rows), len(rows))
+        weigh_fetched(request, sum(len(r["payload"]) + _text_bytes(r["error_message"], r["producer_sub"])
+                                   for r in rows), len(rows))
         cur = await conn.execute("SELECT queen.count_dlq(%s, %s, %s) AS total", (principal.tenant, queue, group))
         total = (await cur.fetchone())["total"]
     messages = []

@@ -373,6 +373,37 @@ def test_a_dlq_page_holds_at_most_the_pop_bytes_bound(spawn_broker, db):
         assert len(one["messages"]) == 1 and one["pagination"] == {"limit": 1, "offset": 0}
 
 
+def test_a_dead_letters_error_is_cut_and_counted_against_the_page_and_a_messages_groups_are_capped(
+        spawn_broker, db):
+    # an HTTP review (Dec 7): acks stored errors of 7 MiB each, and a page of three of them was
+    # a 22 MB answer under a bound of 16 MiB; 10,000 acks naming new groups made a 3 MB detail
+    b = spawn_broker(QUEEN_POP_MAX_BYTES="20000")
+    with b.client(timeout=60) as c:
+        push(c, *({"queue": "dead", "transactionId": f"d{i}", "payload": {"n": i}} for i in range(3)))
+        for _ in range(3):
+            assert ack(c, pop(c, "dead", batch=1)["messages"][0], "dlq", error="é" * 20_000)["dlq"] is True
+        stored = db.execute("SELECT length(error_message) AS chars, octet_length(error_message) AS bytes "
+                            "FROM queen.dead_letter_queue").fetchall()
+        assert stored == [{"chars": 8192, "bytes": 16384}] * 3  # the first 8,192 characters, whole
+        page = c.get("/api/v1/dlq", params={"queue": "dead", "limit": 100}).json()
+        # one entry of 16 KB of error fits 20,000 bytes, a second would not
+        assert len(page["messages"]) == 1 and page["total"] == 3, page["pagination"]
+        assert page["messages"][0]["errorMessage"] == "é" * 8192
+        rest = c.get("/api/v1/dlq", params={"queue": "dead", "limit": 100, "offset": 1}).json()
+        assert len(rest["messages"]) == 1
+
+        m = pop(c, "dead", batch=1, consumerGroup="g-first")["messages"][0]
+        acks = [{"transactionId": m["transactionId"], "partitionId": m["partitionId"], "status": "retry",
+                 "consumerGroup": f"g-{i:05d}"} for i in range(1200)]
+        r = c.post("/api/v1/ack/batch", json={"acknowledgments": acks})
+        assert r.status_code == 200 and all(a["success"] for a in r.json()), r.text
+        detail = c.get(f"/api/v1/messages/{m['partitionId']}/{m['transactionId']}").json()
+        # the first 1,000 groups by name; the counts cover every one
+        assert [g["name"] for g in detail["consumerGroups"]] == ["__QUEUE_MODE__"] + [f"g-{i:05d}" for i in range(999)]
+        assert detail["mode"]["busGroupsCount"] == 1201 and detail["mode"]["hasQueueMode"] is True
+    wait_budget_free(b)
+
+
 def test_a_push_at_the_log_routes_cap_succeeds(spawn_broker, db):
     b = spawn_broker(QUEEN_LOG_MAX_BODY_BYTES=str(2 * MiB))
     item = {"queue": "bulk", "payload": {"blob": "z" * 2000}}

@@ -454,7 +454,9 @@ def test_a_dlq_page_is_bounded_by_its_payload_bytes(db, database_url):
     assert page["total"] == 3 and len(page["messages"]) == 1
     human = run("dlq", "--max-bytes", "1500", url=database_url)
     assert "(1 shown of 3; more: --offset 1)" in human.stderr
-    rest = ok_json(run("dlq", "--max-bytes", "2000", "--offset", "1", "--json", url=database_url))
+    # each entry weighs its payload and its error text, 'test' (migration 041): 1,004 bytes
+    assert len(ok_json(run("dlq", "--max-bytes", "2007", "--offset", "1", "--json", url=database_url))["messages"]) == 1
+    rest = ok_json(run("dlq", "--max-bytes", "2008", "--offset", "1", "--json", url=database_url))
     assert len(rest["messages"]) == 2
     assert {m["transactionId"] for m in page["messages"] + rest["messages"]} == {"dead-b1", "dead-b2", "dead-b3"}
     assert len(ok_json(run("dlq", "--json", url=database_url))["messages"]) == 3  # 64 MiB by default

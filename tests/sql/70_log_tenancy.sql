@@ -3,7 +3,7 @@
 -- dead-letter) into the queue of the timer's tenant; names over 255
 -- bytes raise QTBAD.
 BEGIN;
-SELECT plan(47);
+SELECT plan(48);
 
 CREATE FUNCTION pg_temp.item(p_queue text, p_txn text, p_partition text DEFAULT NULL) RETURNS queen.push_item
 LANGUAGE sql AS $$ SELECT ROW(p_queue, p_partition, p_txn, NULL, convert_to(p_txn, 'UTF8'), false)::queen.push_item $$;
@@ -113,8 +113,11 @@ SELECT results_eq($$SELECT count(*) FILTER (WHERE dlq) FROM queen.ack_messages('
                     (SELECT array_agg(pg_temp.ack(m.transaction_id, m.partition_id, 'dlq'))
                        FROM queen.pop_messages('initech', 'dlqb', p_batch => 10) AS m))$$,
                   ARRAY[3::bigint], 'setup: three dead letters of 3 bytes each');
-SELECT is((SELECT count(*) FROM queen.list_dlq('initech', 'dlqb', p_max_bytes => 6)), 2::bigint,
-          'list_dlq: p_max_bytes 6 holds two payloads of 3 bytes');
+-- each entry weighs its 3-byte payload and its error text, 'Retries exhausted' (17 bytes; migration 041)
+SELECT is((SELECT count(*) FROM queen.list_dlq('initech', 'dlqb', p_max_bytes => 40)), 2::bigint,
+          'list_dlq: p_max_bytes 40 holds two entries of 20 bytes');
+SELECT is((SELECT count(*) FROM queen.list_dlq('initech', 'dlqb', p_max_bytes => 39)), 1::bigint,
+          'and 39 one');
 SELECT is((SELECT count(*) FROM queen.list_dlq('initech', 'dlqb', p_max_bytes => 1)), 1::bigint,
           'the first entry comes whatever its size');
 SELECT is((SELECT count(*) FROM queen.list_dlq('initech', 'dlqb')), 3::bigint, 'NULL: no bound');
