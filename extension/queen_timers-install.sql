@@ -48,11 +48,15 @@ CREATE TABLE queen.cell_settings (
     fire_paused         boolean NOT NULL DEFAULT false,  -- operator: no sweeper claims anything
     produce_blocked     boolean NOT NULL DEFAULT false,  -- cell-wide produce block (e.g. over storage)
     tenancy             boolean NOT NULL DEFAULT false,  -- QUEEN_TENANCY: plans and quota rows are read
-    horizon_ms          bigint  NOT NULL DEFAULT 7776000000 CONSTRAINT horizon_positive CHECK (horizon_ms > 0), -- 90 days
+    -- 90 days; at most 100 years, as schedule_timers' p_horizon_ms: past it a delay overflowed
+    -- the timestamp (22008) (migration 042)
+    horizon_ms          bigint  NOT NULL DEFAULT 7776000000
+                        CONSTRAINT horizon_in_range CHECK (horizon_ms BETWEEN 1 AND 3155760000000),
     max_ops             integer NOT NULL DEFAULT 256 CONSTRAINT max_ops_positive CHECK (max_ops > 0),
     max_payload_bytes   integer NOT NULL DEFAULT 1048576 CONSTRAINT max_payload_in_range CHECK (max_payload_bytes BETWEEN 0 AND 1048576),
     max_pending_timers  bigint,            -- NULL: no pending-timer quota when tenancy is off
-    rate_ops_per_second numeric,           -- NULL: no rate limit when tenancy is off
+    rate_ops_per_second numeric            -- NULL: no rate limit when tenancy is off; 0 divided (migration 042)
+                        CONSTRAINT rate_positive CHECK (rate_ops_per_second > 0),
     rate_burst          numeric,
     updated_at          timestamptz NOT NULL DEFAULT now(),
     -- log retention (sql/schema/70_retention.sql): dead letters of a queue with
@@ -76,6 +80,24 @@ LANGUAGE sql VOLATILE AS $$
                     FROM 1 FOR 6),
             52, 1), 53, 1),
         'hex')::uuid
+$$;
+
+-- A function's clock: p_now, or now() when NULL. An infinite instant raises QTBAD:
+-- stored, it held a lease or a claim for ever, or put a timer's deliver_at where
+-- every sweeper's next_timer_due_ms failed (migrations 038 and 042).
+CREATE FUNCTION queen.finite_now(p_now timestamptz)
+RETURNS timestamptz
+LANGUAGE plpgsql STABLE AS $$
+BEGIN
+    IF p_now IS NULL THEN
+        RETURN now();
+    END IF;
+    IF NOT isfinite(p_now) THEN
+        RAISE EXCEPTION 'timers_bad_request' USING ERRCODE = 'QTBAD',
+            DETAIL = format('p_now must be a finite time, got %s', p_now);
+    END IF;
+    RETURN p_now;
+END
 $$;
 
 -- The cell settings row, read by every gate.
@@ -253,7 +275,7 @@ CREATE FUNCTION queen.take_rate_tokens(
 RETURNS void
 LANGUAGE plpgsql AS $$
 DECLARE
-    v_now    timestamptz := coalesce(p_now, now());
+    v_now    timestamptz := queen.finite_now(p_now);
     v_burst  numeric := greatest(coalesce(p_burst, p_rate), 1);
     v_tokens numeric;
     v_wait   numeric;
@@ -261,10 +283,9 @@ BEGIN
     IF p_rate IS NULL OR p_ops <= 0 THEN
         RETURN;
     END IF;
-    -- an infinite instant would be stored (every later refill of the bucket fails) (migration 038)
-    IF NOT isfinite(v_now) THEN
+    IF p_rate <= 0 THEN  -- a bucket refilled at no rate divided by zero (migration 042)
         RAISE EXCEPTION 'timers_bad_request' USING ERRCODE = 'QTBAD',
-            DETAIL = format('p_now must be a finite time, got %s', v_now);
+            DETAIL = format('p_rate must be above 0, got %s', p_rate);
     END IF;
     INSERT INTO queen.rate_buckets AS b (tenant, tokens, refilled_at)
     VALUES (p_tenant, v_burst, v_now)
@@ -1736,17 +1757,16 @@ CREATE FUNCTION queen.claim_timers(
 RETURNS SETOF queen.claimed_timer
 LANGUAGE plpgsql AS $$
 DECLARE
-    v_now     timestamptz := coalesce(p_now, now());
+    v_now     timestamptz := queen.finite_now(p_now);
     v_claim   uuid := gen_random_uuid();
     v_rows    queen.claimed_timer[];
     v_in      text[];
     v_tenants text[];
 BEGIN
-    -- an infinite instant would be stored (a claim held forever: its timers would never fire) (migration 038)
-    IF NOT isfinite(v_now) THEN
-        RAISE EXCEPTION 'timers_bad_request' USING ERRCODE = 'QTBAD',
-            DETAIL = format('p_now must be a finite time, got %s', v_now);
-    END IF;
+    -- NULL is the default, as for list_dlq's p_limit: greatest() skipped it, and a NULL
+    -- limit claimed nothing, a NULL lease held for 1 ms (migration 042)
+    p_limit := coalesce(p_limit, 100);
+    p_lease_ms := coalesce(p_lease_ms, 30000);
     IF p_turn IS NOT NULL THEN  -- the caller's turn, not this session's (find_due_tenants)
         PERFORM set_config('queen.fire_turn', p_turn, false);
     END IF;
@@ -1792,7 +1812,7 @@ CREATE FUNCTION queen.fire_timers(
 RETURNS SETOF queen.fire_result
 LANGUAGE plpgsql SET plan_cache_mode = force_custom_plan SET lock_timeout = '50ms' AS $$
 DECLARE
-    v_now  timestamptz := coalesce(p_now, now());
+    v_now  timestamptz := queen.finite_now(p_now);
     v_rows queen.timers[];
 BEGIN
     WITH held AS (
@@ -2180,9 +2200,10 @@ CREATE FUNCTION queen.fire_due_timers(
 RETURNS SETOF queen.fire_result
 LANGUAGE plpgsql AS $$
 DECLARE
-    v_now  timestamptz := coalesce(p_now, now());
+    v_now  timestamptz := queen.finite_now(p_now);
     v_out  queen.fire_result[];
 BEGIN
+    p_limit := coalesce(p_limit, 100);  -- NULL fired nothing (greatest() skipped it) (migration 042)
     IF p_turn IS NOT NULL THEN  -- the caller's turn, not this session's (find_due_tenants)
         PERFORM set_config('queen.fire_turn', p_turn, false);
     END IF;
@@ -2237,7 +2258,7 @@ CREATE FUNCTION queen.inflate_timers(
 RETURNS SETOF queen.fire_result
 LANGUAGE plpgsql SET plan_cache_mode = force_custom_plan SET lock_timeout = '50ms' AS $$
 DECLARE
-    v_now timestamptz := coalesce(p_now, now());
+    v_now timestamptz := queen.finite_now(p_now);
 BEGIN
     RETURN QUERY
     WITH f AS (
@@ -2280,7 +2301,7 @@ CREATE FUNCTION queen.fail_timer(
 RETURNS text
 LANGUAGE plpgsql AS $$
 DECLARE
-    v_now   timestamptz := coalesce(p_now, now());
+    v_now   timestamptz := queen.finite_now(p_now);
     r       queen.timers;
     v_spend boolean;
     v_part  uuid;
@@ -2288,6 +2309,13 @@ BEGIN
     IF p_error_class IS NULL OR p_error_class NOT IN ('transient', 'permanent', 'config') THEN
         RAISE EXCEPTION 'timers_bad_request'
             USING ERRCODE = 'QTBAD', DETAIL = format('unknown failure class %L', p_error_class);
+    END IF;
+    -- NULL made deliver_at NULL (23502) or the attempts endless (migration 042)
+    IF p_max_attempts IS NULL OR p_max_attempts < 1 OR p_backoff_ms IS NULL OR p_backoff_ms < 0
+       OR p_backoff_max_ms IS NULL OR p_backoff_max_ms < 0 THEN
+        RAISE EXCEPTION 'timers_bad_request' USING ERRCODE = 'QTBAD',
+            DETAIL = format('p_max_attempts must be at least 1 and p_backoff_ms, p_backoff_max_ms at least 0, '
+                            'got %s, %s, %s', p_max_attempts, p_backoff_ms, p_backoff_max_ms);
     END IF;
     v_spend := p_error_class IN ('permanent', 'config');
 
@@ -2770,7 +2798,7 @@ CREATE FUNCTION queen.pop_messages(
 RETURNS SETOF queen.popped_message
 LANGUAGE plpgsql SET enable_seqscan = off SET enable_bitmapscan = off SET enable_sort = off SET jit = off AS $$
 DECLARE
-    v_now     timestamptz := coalesce(p_now, now());
+    v_now     timestamptz := queen.finite_now(p_now);
     v_group   text := coalesce(nullif(p_consumer_group, ''), '__QUEUE_MODE__');
     v_batch   integer := least(greatest(coalesce(p_batch, 1), 1), 10000);
     v_lease   uuid := gen_random_uuid();
@@ -2787,10 +2815,15 @@ BEGIN
         RAISE EXCEPTION 'timers_bad_request' USING ERRCODE = 'QTBAD',
             DETAIL = 'queue and partition names are at most 255 bytes';
     END IF;
-    -- an infinite instant would be stored (a lease that never ends: its frames would never be delivered again) (migration 038)
-    IF NOT isfinite(v_now) THEN
+    -- a longer group is a key no index holds (54000); a bound below 1 handed out nothing,
+    -- not the first message it promises (migration 042)
+    IF NOT queen.log_name_fits(p_consumer_group) THEN
         RAISE EXCEPTION 'timers_bad_request' USING ERRCODE = 'QTBAD',
-            DETAIL = format('p_now must be a finite time, got %s', v_now);
+            DETAIL = format('consumerGroup is %s bytes; at most 255', octet_length(p_consumer_group));
+    END IF;
+    IF p_max_bytes IS NOT NULL AND p_max_bytes < 1 THEN
+        RAISE EXCEPTION 'timers_bad_request' USING ERRCODE = 'QTBAD',
+            DETAIL = format('max_bytes must be at least 1, got %s', p_max_bytes);
     END IF;
     SELECT * INTO q FROM queen.queues WHERE tenant = p_tenant AND name = p_queue;
     IF NOT FOUND THEN
@@ -2900,7 +2933,7 @@ CREATE FUNCTION queen.ack_messages(
 RETURNS SETOF queen.ack_result
 LANGUAGE plpgsql SET enable_seqscan = off SET enable_bitmapscan = off AS $$
 DECLARE
-    v_now    timestamptz := coalesce(p_now, now());
+    v_now    timestamptz := queen.finite_now(p_now);
     a        record;
     pc       queen.partition_consumers;
     r        queen.ack_result;
@@ -2922,11 +2955,14 @@ BEGIN
              WHEN NOT queen.log_name_fits(x.transaction_id)
                THEN format('acknowledgments[%s]: transactionId is %s bytes; at most 255', x.n - 1,
                            octet_length(x.transaction_id))
+             WHEN NOT queen.log_name_fits(x.consumer_group)  -- a key no index holds (migration 042)
+               THEN format('acknowledgments[%s]: consumerGroup is %s bytes; at most 255', x.n - 1,
+                           octet_length(x.consumer_group))
              ELSE format('acknowledgments[%s]: unknown status %L', x.n - 1, x.status)
            END INTO v_msg
       FROM unnest(p_acks) WITH ORDINALITY AS x(transaction_id, partition_id, status, error, lease_id, consumer_group, n)
      WHERE x.transaction_id IS NULL OR x.transaction_id = '' OR x.partition_id IS NULL
-        OR NOT queen.log_name_fits(x.transaction_id)
+        OR NOT queen.log_name_fits(x.transaction_id) OR NOT queen.log_name_fits(x.consumer_group)
         OR (x.status IS NOT NULL AND x.status NOT IN ('completed', 'success', 'failed', 'dlq', 'retry'))
      ORDER BY x.n LIMIT 1;
     IF v_msg IS NOT NULL THEN
@@ -3459,7 +3495,7 @@ RETURNS TABLE (lease_id text, success boolean, error text, expires_at timestampt
 LANGUAGE plpgsql SET enable_seqscan = off SET enable_indexscan = off AS $$
 #variable_conflict use_column
 DECLARE
-    v_now     timestamptz := coalesce(p_now, now());
+    v_now     timestamptz := queen.finite_now(p_now);
     v_expires timestamptz;
     v_n       integer;
 BEGIN
@@ -3745,7 +3781,7 @@ CREATE FUNCTION queen.apply_retention(
 RETURNS TABLE (pending_deleted bigint, completed_deleted bigint, dlq_deleted bigint, partitions_skipped integer)
 LANGUAGE plpgsql AS $$
 DECLARE
-    v_now       timestamptz := coalesce(p_now, now());
+    v_now       timestamptz := queen.finite_now(p_now);
     v_room      bigint := least(greatest(coalesce(p_limit, 1000), 1), 100000);
     v_dlq_secs  integer := (queen.get_cell_settings()).dlq_retention_seconds;
     c           record;
@@ -3894,5 +3930,6 @@ INSERT INTO queen.schema_migrations (version, name) VALUES
     (38, 'finite_clock'),
     (39, 'log_replay_and_txn_acks'),
     (40, 'ack_read_horizon'),
-    (41, 'bounded_texts');
+    (41, 'bounded_texts'),
+    (42, 'psql_arguments');
 COMMIT;

@@ -45,11 +45,15 @@ CREATE TABLE queen.cell_settings (
     fire_paused         boolean NOT NULL DEFAULT false,  -- operator: no sweeper claims anything
     produce_blocked     boolean NOT NULL DEFAULT false,  -- cell-wide produce block (e.g. over storage)
     tenancy             boolean NOT NULL DEFAULT false,  -- QUEEN_TENANCY: plans and quota rows are read
-    horizon_ms          bigint  NOT NULL DEFAULT 7776000000 CONSTRAINT horizon_positive CHECK (horizon_ms > 0), -- 90 days
+    -- 90 days; at most 100 years, as schedule_timers' p_horizon_ms: past it a delay overflowed
+    -- the timestamp (22008) (migration 042)
+    horizon_ms          bigint  NOT NULL DEFAULT 7776000000
+                        CONSTRAINT horizon_in_range CHECK (horizon_ms BETWEEN 1 AND 3155760000000),
     max_ops             integer NOT NULL DEFAULT 256 CONSTRAINT max_ops_positive CHECK (max_ops > 0),
     max_payload_bytes   integer NOT NULL DEFAULT 1048576 CONSTRAINT max_payload_in_range CHECK (max_payload_bytes BETWEEN 0 AND 1048576),
     max_pending_timers  bigint,            -- NULL: no pending-timer quota when tenancy is off
-    rate_ops_per_second numeric,           -- NULL: no rate limit when tenancy is off
+    rate_ops_per_second numeric            -- NULL: no rate limit when tenancy is off; 0 divided (migration 042)
+                        CONSTRAINT rate_positive CHECK (rate_ops_per_second > 0),
     rate_burst          numeric,
     updated_at          timestamptz NOT NULL DEFAULT now(),
     -- log retention (sql/schema/70_retention.sql): dead letters of a queue with
@@ -73,6 +77,24 @@ LANGUAGE sql VOLATILE AS $$
                     FROM 1 FOR 6),
             52, 1), 53, 1),
         'hex')::uuid
+$$;
+
+-- A function's clock: p_now, or now() when NULL. An infinite instant raises QTBAD:
+-- stored, it held a lease or a claim for ever, or put a timer's deliver_at where
+-- every sweeper's next_timer_due_ms failed (migrations 038 and 042).
+CREATE FUNCTION queen.finite_now(p_now timestamptz)
+RETURNS timestamptz
+LANGUAGE plpgsql STABLE AS $$
+BEGIN
+    IF p_now IS NULL THEN
+        RETURN now();
+    END IF;
+    IF NOT isfinite(p_now) THEN
+        RAISE EXCEPTION 'timers_bad_request' USING ERRCODE = 'QTBAD',
+            DETAIL = format('p_now must be a finite time, got %s', p_now);
+    END IF;
+    RETURN p_now;
+END
 $$;
 
 -- The cell settings row, read by every gate.

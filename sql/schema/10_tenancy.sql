@@ -167,7 +167,7 @@ CREATE FUNCTION queen.take_rate_tokens(
 RETURNS void
 LANGUAGE plpgsql AS $$
 DECLARE
-    v_now    timestamptz := coalesce(p_now, now());
+    v_now    timestamptz := queen.finite_now(p_now);
     v_burst  numeric := greatest(coalesce(p_burst, p_rate), 1);
     v_tokens numeric;
     v_wait   numeric;
@@ -175,10 +175,9 @@ BEGIN
     IF p_rate IS NULL OR p_ops <= 0 THEN
         RETURN;
     END IF;
-    -- an infinite instant would be stored (every later refill of the bucket fails) (migration 038)
-    IF NOT isfinite(v_now) THEN
+    IF p_rate <= 0 THEN  -- a bucket refilled at no rate divided by zero (migration 042)
         RAISE EXCEPTION 'timers_bad_request' USING ERRCODE = 'QTBAD',
-            DETAIL = format('p_now must be a finite time, got %s', v_now);
+            DETAIL = format('p_rate must be above 0, got %s', p_rate);
     END IF;
     INSERT INTO queen.rate_buckets AS b (tenant, tokens, refilled_at)
     VALUES (p_tenant, v_burst, v_now)

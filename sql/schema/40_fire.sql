@@ -274,17 +274,16 @@ CREATE FUNCTION queen.claim_timers(
 RETURNS SETOF queen.claimed_timer
 LANGUAGE plpgsql AS $$
 DECLARE
-    v_now     timestamptz := coalesce(p_now, now());
+    v_now     timestamptz := queen.finite_now(p_now);
     v_claim   uuid := gen_random_uuid();
     v_rows    queen.claimed_timer[];
     v_in      text[];
     v_tenants text[];
 BEGIN
-    -- an infinite instant would be stored (a claim held forever: its timers would never fire) (migration 038)
-    IF NOT isfinite(v_now) THEN
-        RAISE EXCEPTION 'timers_bad_request' USING ERRCODE = 'QTBAD',
-            DETAIL = format('p_now must be a finite time, got %s', v_now);
-    END IF;
+    -- NULL is the default, as for list_dlq's p_limit: greatest() skipped it, and a NULL
+    -- limit claimed nothing, a NULL lease held for 1 ms (migration 042)
+    p_limit := coalesce(p_limit, 100);
+    p_lease_ms := coalesce(p_lease_ms, 30000);
     IF p_turn IS NOT NULL THEN  -- the caller's turn, not this session's (find_due_tenants)
         PERFORM set_config('queen.fire_turn', p_turn, false);
     END IF;
@@ -330,7 +329,7 @@ CREATE FUNCTION queen.fire_timers(
 RETURNS SETOF queen.fire_result
 LANGUAGE plpgsql SET plan_cache_mode = force_custom_plan SET lock_timeout = '50ms' AS $$
 DECLARE
-    v_now  timestamptz := coalesce(p_now, now());
+    v_now  timestamptz := queen.finite_now(p_now);
     v_rows queen.timers[];
 BEGIN
     WITH held AS (
@@ -718,9 +717,10 @@ CREATE FUNCTION queen.fire_due_timers(
 RETURNS SETOF queen.fire_result
 LANGUAGE plpgsql AS $$
 DECLARE
-    v_now  timestamptz := coalesce(p_now, now());
+    v_now  timestamptz := queen.finite_now(p_now);
     v_out  queen.fire_result[];
 BEGIN
+    p_limit := coalesce(p_limit, 100);  -- NULL fired nothing (greatest() skipped it) (migration 042)
     IF p_turn IS NOT NULL THEN  -- the caller's turn, not this session's (find_due_tenants)
         PERFORM set_config('queen.fire_turn', p_turn, false);
     END IF;
@@ -775,7 +775,7 @@ CREATE FUNCTION queen.inflate_timers(
 RETURNS SETOF queen.fire_result
 LANGUAGE plpgsql SET plan_cache_mode = force_custom_plan SET lock_timeout = '50ms' AS $$
 DECLARE
-    v_now timestamptz := coalesce(p_now, now());
+    v_now timestamptz := queen.finite_now(p_now);
 BEGIN
     RETURN QUERY
     WITH f AS (
@@ -818,7 +818,7 @@ CREATE FUNCTION queen.fail_timer(
 RETURNS text
 LANGUAGE plpgsql AS $$
 DECLARE
-    v_now   timestamptz := coalesce(p_now, now());
+    v_now   timestamptz := queen.finite_now(p_now);
     r       queen.timers;
     v_spend boolean;
     v_part  uuid;
@@ -826,6 +826,13 @@ BEGIN
     IF p_error_class IS NULL OR p_error_class NOT IN ('transient', 'permanent', 'config') THEN
         RAISE EXCEPTION 'timers_bad_request'
             USING ERRCODE = 'QTBAD', DETAIL = format('unknown failure class %L', p_error_class);
+    END IF;
+    -- NULL made deliver_at NULL (23502) or the attempts endless (migration 042)
+    IF p_max_attempts IS NULL OR p_max_attempts < 1 OR p_backoff_ms IS NULL OR p_backoff_ms < 0
+       OR p_backoff_max_ms IS NULL OR p_backoff_max_ms < 0 THEN
+        RAISE EXCEPTION 'timers_bad_request' USING ERRCODE = 'QTBAD',
+            DETAIL = format('p_max_attempts must be at least 1 and p_backoff_ms, p_backoff_max_ms at least 0, '
+                            'got %s, %s, %s', p_max_attempts, p_backoff_ms, p_backoff_max_ms);
     END IF;
     v_spend := p_error_class IN ('permanent', 'config');
 

@@ -396,7 +396,7 @@ CREATE FUNCTION queen.pop_messages(
 RETURNS SETOF queen.popped_message
 LANGUAGE plpgsql SET enable_seqscan = off SET enable_bitmapscan = off SET enable_sort = off SET jit = off AS $$
 DECLARE
-    v_now     timestamptz := coalesce(p_now, now());
+    v_now     timestamptz := queen.finite_now(p_now);
     v_group   text := coalesce(nullif(p_consumer_group, ''), '__QUEUE_MODE__');
     v_batch   integer := least(greatest(coalesce(p_batch, 1), 1), 10000);
     v_lease   uuid := gen_random_uuid();
@@ -413,10 +413,15 @@ BEGIN
         RAISE EXCEPTION 'timers_bad_request' USING ERRCODE = 'QTBAD',
             DETAIL = 'queue and partition names are at most 255 bytes';
     END IF;
-    -- an infinite instant would be stored (a lease that never ends: its frames would never be delivered again) (migration 038)
-    IF NOT isfinite(v_now) THEN
+    -- a longer group is a key no index holds (54000); a bound below 1 handed out nothing,
+    -- not the first message it promises (migration 042)
+    IF NOT queen.log_name_fits(p_consumer_group) THEN
         RAISE EXCEPTION 'timers_bad_request' USING ERRCODE = 'QTBAD',
-            DETAIL = format('p_now must be a finite time, got %s', v_now);
+            DETAIL = format('consumerGroup is %s bytes; at most 255', octet_length(p_consumer_group));
+    END IF;
+    IF p_max_bytes IS NOT NULL AND p_max_bytes < 1 THEN
+        RAISE EXCEPTION 'timers_bad_request' USING ERRCODE = 'QTBAD',
+            DETAIL = format('max_bytes must be at least 1, got %s', p_max_bytes);
     END IF;
     SELECT * INTO q FROM queen.queues WHERE tenant = p_tenant AND name = p_queue;
     IF NOT FOUND THEN
@@ -526,7 +531,7 @@ CREATE FUNCTION queen.ack_messages(
 RETURNS SETOF queen.ack_result
 LANGUAGE plpgsql SET enable_seqscan = off SET enable_bitmapscan = off AS $$
 DECLARE
-    v_now    timestamptz := coalesce(p_now, now());
+    v_now    timestamptz := queen.finite_now(p_now);
     a        record;
     pc       queen.partition_consumers;
     r        queen.ack_result;
@@ -548,11 +553,14 @@ BEGIN
              WHEN NOT queen.log_name_fits(x.transaction_id)
                THEN format('acknowledgments[%s]: transactionId is %s bytes; at most 255', x.n - 1,
                            octet_length(x.transaction_id))
+             WHEN NOT queen.log_name_fits(x.consumer_group)  -- a key no index holds (migration 042)
+               THEN format('acknowledgments[%s]: consumerGroup is %s bytes; at most 255', x.n - 1,
+                           octet_length(x.consumer_group))
              ELSE format('acknowledgments[%s]: unknown status %L', x.n - 1, x.status)
            END INTO v_msg
       FROM unnest(p_acks) WITH ORDINALITY AS x(transaction_id, partition_id, status, error, lease_id, consumer_group, n)
      WHERE x.transaction_id IS NULL OR x.transaction_id = '' OR x.partition_id IS NULL
-        OR NOT queen.log_name_fits(x.transaction_id)
+        OR NOT queen.log_name_fits(x.transaction_id) OR NOT queen.log_name_fits(x.consumer_group)
         OR (x.status IS NOT NULL AND x.status NOT IN ('completed', 'success', 'failed', 'dlq', 'retry'))
      ORDER BY x.n LIMIT 1;
     IF v_msg IS NOT NULL THEN
@@ -1085,7 +1093,7 @@ RETURNS TABLE (lease_id text, success boolean, error text, expires_at timestampt
 LANGUAGE plpgsql SET enable_seqscan = off SET enable_indexscan = off AS $$
 #variable_conflict use_column
 DECLARE
-    v_now     timestamptz := coalesce(p_now, now());
+    v_now     timestamptz := queen.finite_now(p_now);
     v_expires timestamptz;
     v_n       integer;
 BEGIN

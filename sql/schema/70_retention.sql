@@ -45,7 +45,7 @@ CREATE FUNCTION queen.apply_retention(
 RETURNS TABLE (pending_deleted bigint, completed_deleted bigint, dlq_deleted bigint, partitions_skipped integer)
 LANGUAGE plpgsql AS $$
 DECLARE
-    v_now       timestamptz := coalesce(p_now, now());
+    v_now       timestamptz := queen.finite_now(p_now);
     v_room      bigint := least(greatest(coalesce(p_limit, 1000), 1), 100000);
     v_dlq_secs  integer := (queen.get_cell_settings()).dlq_retention_seconds;
     c           record;

@@ -43,4 +43,5 @@ INSERT INTO queen.schema_migrations (version, name) VALUES
     (38, 'finite_clock'),
     (39, 'log_replay_and_txn_acks'),
     (40, 'ack_read_horizon'),
-    (41, 'bounded_texts');
+    (41, 'bounded_texts'),
+    (42, 'psql_arguments');
