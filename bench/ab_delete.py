@@ -33,7 +33,7 @@ import psycopg
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import cancel  # noqa: E402
-from harness import ROOT, Cluster, connect, log, proc_cpu, start_broker  # noqa: E402
+from harness import ROOT, Cluster, connect, log, proc_cpu, start_broker, stop_on_sigterm  # noqa: E402
 
 
 def main() -> int:
@@ -42,6 +42,7 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--n", type=int, default=4000, help="DELETEs per round and side")
     args = ap.parse_args()
+    stop_on_sigterm()
     rev = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", args.rev], check=True,
                          capture_output=True, text=True).stdout.strip()
     with tempfile.TemporaryDirectory(prefix="ab-delete-") as tmp:

@@ -20,7 +20,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from harness import OUT, Cluster, Results, connect, explain_rolled_back, load_timers, log, start_broker  # noqa: E402
+from harness import (  # noqa: E402
+    OUT, Cluster, Results, connect, explain_rolled_back, load_timers, log, start_broker, stop_on_sigterm)
 import cancel  # noqa: E402
 import conns  # noqa: E402
 import drills  # noqa: E402
@@ -279,6 +280,7 @@ def main() -> int:
                          "switchover halfway")
     ap.add_argument("--fsync", default="on", choices=("on", "off"))
     args = ap.parse_args()
+    stop_on_sigterm()
     if args.quick:
         args.fire_n, args.rounds, args.sched_batches = 5000, 1, 10
         args.fire_rounds, args.scale_n, args.scale_rounds, args.lag2_seconds = 2, 5000, 1, 5

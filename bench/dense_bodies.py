@@ -26,7 +26,7 @@ import httpx
 import jwt
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import Cluster, log, pct, start_broker  # noqa: E402
+from harness import Cluster, log, pct, start_broker, stop_on_sigterm  # noqa: E402
 
 SECRET = "dense-bodies-bench-secret-of-32-bytes!"
 
@@ -65,6 +65,7 @@ def main() -> int:
     ap.add_argument("--seconds", type=float, default=10)
     ap.add_argument("--senders", type=int, default=4)
     args = ap.parse_args()
+    stop_on_sigterm()
     cl = Cluster()
     try:
         cl.setup()

@@ -25,7 +25,7 @@ import psycopg
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
-from harness import checkouts, load_timers, log, pct  # noqa: E402
+from harness import checkouts, load_timers, log, pct, stop_on_sigterm  # noqa: E402
 from queen_timers.sweeper import CLAIM, FIRE_DUE, NEXT_DUE  # noqa: E402
 
 QUEUE = "calls"
@@ -64,6 +64,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--compare", type=Path, help="another checkout measured in the same run")
     args = ap.parse_args()
+    stop_on_sigterm()
     if args.calls <= WARMUP:
         ap.error(f"--calls must be more than the {WARMUP} warm-up calls, which are not counted")
     with checkouts("calls", args.compare, setup=False) as (_, targets, _):

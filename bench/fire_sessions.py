@@ -23,7 +23,7 @@ from pathlib import Path
 import psycopg
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import checkouts, log  # noqa: E402
+from harness import checkouts, log, stop_on_sigterm  # noqa: E402
 
 QUEUE = "scale"
 
@@ -97,6 +97,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--compare", type=Path, help="another checkout (e.g. main) measured in the same run")
     args = ap.parse_args()
+    stop_on_sigterm()
     with checkouts("scale", args.compare, setup=False) as (_, targets, _):
         rates: dict[tuple[str, int], list[float]] = {}
         for r in range(args.rounds):

@@ -39,6 +39,18 @@ def proc_cpu(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # fields 14 and 15 of proc(5)
 
 
+def stop_on_sigterm() -> None:
+    """A runner's SIGTERM (`kill`, a CI job's timeout) raises SystemExit in its main thread,
+    so that its finally blocks stop the clusters, cells, poolers and brokers it started: by
+    default the signal ended the runner at once and left them all running (Ctrl-C, SIGINT,
+    already unwound through them)."""
+    def stop(signum, _frame):
+        signal.signal(signum, signal.SIG_DFL)  # a second SIGTERM ends the runner at once
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, stop)
+
+
 def free_port() -> int:
     out = subprocess.run([sys.executable, str(ROOT / "scripts" / "free-port")],
                          check=True, capture_output=True, text=True)

@@ -33,7 +33,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ed25519, rsa
 
 from cancel import BlockingHttp
-from harness import ROOT, Cluster, log, pct, proc_cpu, rotated, start_broker
+from harness import ROOT, Cluster, log, pct, proc_cpu, rotated, start_broker, stop_on_sigterm
 
 SECRET = "bench-secret-for-queen-timers-hs256-0123456789"
 SERIAL = itertools.count()  # the jti of the tokens that are new at every request
@@ -77,6 +77,7 @@ def main() -> int:
                     help="QUEEN_JWT_SECRET (HS256), or QUEEN_JWT_PUBLIC_KEY of a new RSA 2048 / Ed25519 key")
     ap.add_argument("--compare", type=Path, help="another checkout whose broker is timed beside this one's")
     args = ap.parse_args()
+    stop_on_sigterm()
     env, creds = cases(args.key, args.n)
     log(f"== jwt_cost: {args.key} ({', '.join(env)}), {args.rounds} rounds of {args.n} requests a credential ==")
     cluster = Cluster()

@@ -24,7 +24,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import checkouts, connect, log, rotated, start_broker, wait_until  # noqa: E402
+from harness import checkouts, connect, log, rotated, start_broker, stop_on_sigterm, wait_until  # noqa: E402
 
 LATE_AFTER_MS = 100
 
@@ -91,6 +91,7 @@ def main() -> None:
     ap.add_argument("--per-tenant", type=int, default=100)
     ap.add_argument("--rounds", type=int, default=1)
     args = ap.parse_args()
+    stop_on_sigterm()
     with checkouts("many", args.compare) as (_, sides, roots):
         got: dict[str, list[tuple[float, float, int, float]]] = {k: [] for k in sides}
         log(f"== {args.tenants:,} tenants with {args.per_tenant:,} timers each due at T, tenant late's one "

@@ -26,7 +26,7 @@ from pathlib import Path
 import psycopg
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import checkouts, log, pct, rotated  # noqa: E402
+from harness import checkouts, log, pct, rotated, stop_on_sigterm  # noqa: E402
 
 QUEUE = "one-xid"
 CHUNK = 10_000  # push_messages' largest batch
@@ -72,6 +72,7 @@ def main() -> None:
     ap.add_argument("--pops", type=int, default=200)
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
+    stop_on_sigterm()
     with checkouts("pop", args.compare) as (_, sides, _):
         log(f"== {args.frames:,} frames in one partition, pushed in one transaction; {args.pops} pops of 10 "
             f"(auto-ack) a round ==")

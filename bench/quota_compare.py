@@ -27,7 +27,7 @@ import psycopg
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
 import schedule as S  # noqa: E402
-from harness import checkouts, connect, log, rotated  # noqa: E402
+from harness import checkouts, connect, log, rotated, stop_on_sigterm  # noqa: E402
 from queen_timers.routes_timers import SCHEDULE_SQL  # noqa: E402
 
 
@@ -66,6 +66,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--others", type=int, default=1000)
     args = ap.parse_args()
+    stop_on_sigterm()
     params = [S.broker_params(b) for b in S.batches(args.batches)]
     with checkouts("quota", args.compare) as (_, dbs, _):
         sides = {"this": (dbs["this"], True), "compare": (dbs["compare"], True), "no quota": (dbs["this"], False)}

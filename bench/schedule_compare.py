@@ -23,7 +23,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
 import schedule as S  # noqa: E402
-from harness import checkouts, connect, log, rotated  # noqa: E402
+from harness import checkouts, connect, log, rotated, stop_on_sigterm  # noqa: E402
 from queen_timers.routes_timers import SCHEDULE_SQL  # noqa: E402
 
 
@@ -51,6 +51,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--clients", default="1,4")
     args = ap.parse_args()
+    stop_on_sigterm()
     ops = S.batches(args.batches)
     broker = [S.broker_params(b) for b in ops]
     bare = [S.bare_params(b) for b in ops]

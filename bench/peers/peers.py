@@ -38,7 +38,7 @@ sys.path.insert(0, str(HERE.parent))
 
 import cancel  # noqa: E402
 import schedule  # noqa: E402
-from harness import ROOT, Cluster, connect, load_timers, log, pct, start_broker  # noqa: E402
+from harness import ROOT, Cluster, connect, load_timers, log, pct, start_broker, stop_on_sigterm  # noqa: E402
 
 from queen_timers.routes_timers import SCHEDULE_SQL  # noqa: E402
 
@@ -342,6 +342,7 @@ def main() -> int:
     ap.add_argument("--lag-due", type=float, default=2)
     ap.add_argument("--lag-tail", type=float, default=30, help="seconds waited past the last due instant")
     args = ap.parse_args()
+    stop_on_sigterm()
     if args.quick:
         args.schedule_n, args.drain_n, args.cancel_n, args.lag_seconds, args.rounds = 5120, 5000, 500, 5, 1
         args.drain_cap = min(args.drain_cap, 20)
