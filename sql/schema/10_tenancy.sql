@@ -167,14 +167,15 @@ CREATE FUNCTION queen.take_rate_tokens(
 RETURNS void
 LANGUAGE plpgsql AS $$
 DECLARE
-    v_now    timestamptz := queen.finite_now(p_now);
+    v_now    timestamptz;
     v_burst  numeric := greatest(coalesce(p_burst, p_rate), 1);
     v_tokens numeric;
     v_wait   numeric;
 BEGIN
     IF p_rate IS NULL OR p_ops <= 0 THEN
-        RETURN;
+        RETURN;  -- no bucket: every schedule batch without a rate limit ends here
     END IF;
+    v_now := queen.finite_now(p_now);
     IF p_rate <= 0 THEN  -- a bucket refilled at no rate divided by zero (migration 042)
         RAISE EXCEPTION 'timers_bad_request' USING ERRCODE = 'QTBAD',
             DETAIL = format('p_rate must be above 0, got %s', p_rate);
