@@ -186,7 +186,7 @@ def iso(value: datetime | None) -> str | None:
 
 
 # The fields of one element of POST /api/v1/timers's "results", in the order of
-# timer-routes.md; _results_json writes them all with one join.
+# the contract (docs/http-timers.md); _results_json writes them all with one join.
 _RESULT_FIELDS = ("ok", "status", "queue", "timerKey", "txn", "messageId", "deliverAt")
 _OK_STATUSES = {"scheduled": "true", "rescheduled": "true", "cancelled": "true"}
 _UPSERTED = frozenset(("scheduled", "rescheduled"))
