@@ -110,12 +110,10 @@ def decrypt(key: bytes, envelope_bytes: bytes) -> bytes:
 def json_data_fragment(data: bytes) -> object:
     """as_json_data for an answer encoded by orjson: valid JSON bytes are embedded as
     they are (orjson.Fragment), not parsed into Python objects and encoded again."""
-    from .bodies import parse_json
-    try:
-        parse_json(data)  # checked (strict, depth-limited), then dropped
-    except ValueError:
-        return encode_base64(data)
-    return orjson.Fragment(data)
+    from .bodies import json_text_ok
+    if json_text_ok(data):  # what parse_json accepts (strict, depth-limited), without its values
+        return orjson.Fragment(data)
+    return encode_base64(data)
 
 
 def as_json_data(data: bytes) -> object:
