@@ -304,6 +304,25 @@ class BodyBudget:
         self._unhold(tenant, had - n)
         self._admit()
 
+    def shrink_to(self, scope: dict, n: int) -> None:
+        """Hold at most `n` in all for this request (its last weights cut first): an
+        answer that has left Python for the connection's buffer holds its bytes there,
+        no longer the objects it was built from (server.py's park)."""
+        held = scope.get(HELD_KEY)
+        excess = sum(w for _, w in held) - max(n, 0) if held else 0
+        if excess <= 0:
+            return
+        while excess > 0 and held:
+            tenant, w = held[-1]
+            cut = min(w, excess)
+            if cut == w:
+                held.pop()
+            else:
+                held[-1] = (tenant, w - cut)
+            self._unhold(tenant, cut)
+            excess -= cut
+        self._admit()
+
     def release(self, scope: dict) -> int:
         """Give back everything the request holds; admit the waiters that now fit."""
         held = scope.pop(HELD_KEY, None)

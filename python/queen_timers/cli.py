@@ -361,7 +361,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                 log_level="warning", access_log=False, loop="uvloop",
                 http=JsonErrorHttpToolsProtocol.with_timeouts(settings.head_timeout_ms / 1000,
                                                               settings.send_timeout_ms / 1000,
-                                                              settings.shutdown_timeout_ms / 1000),
+                                                              settings.shutdown_timeout_ms / 1000,
+                                                              settings.send_min_bytes_per_s),
                 limit_concurrency=settings.max_connections,
                 # the last resort of a stop: server.py ends what clients hold at
                 # QUEEN_SHUTDOWN_TIMEOUT_MS; a request still in its database call

@@ -155,6 +155,7 @@ class Settings:
     # connections (server.py): the request head's deadline, and connections or requests at once
     head_timeout_ms: int = 10000
     send_timeout_ms: int = 60000
+    send_min_bytes_per_s: int = 65536
     # a stop (SIGTERM): how long the requests in flight may take before they are cancelled
     shutdown_timeout_ms: int = 10000
     # a pop's stored payload bytes (queen.pop_messages p_max_bytes; the first message always goes)
@@ -227,6 +228,7 @@ class Settings:
             body_timeout_ms=_int(env, "QUEEN_BODY_TIMEOUT_MS", 120000, 1),
             head_timeout_ms=_int(env, "QUEEN_HEAD_TIMEOUT_MS", 10000, 1),
             send_timeout_ms=_int(env, "QUEEN_SEND_TIMEOUT_MS", 60000, 1),
+            send_min_bytes_per_s=_int(env, "QUEEN_SEND_MIN_BYTES_PER_S", 65536, 0, INT32_MAX),
             shutdown_timeout_ms=_int(env, "QUEEN_SHUTDOWN_TIMEOUT_MS", 10000, 0),
             max_connections=(max_conn := _int(env, "QUEEN_MAX_CONNECTIONS", 1000, 1)),
             tenant_max_requests=_int(env, "QUEEN_TENANT_MAX_REQUESTS", tenant_share(max_conn, auth), 1),

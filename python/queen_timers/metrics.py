@@ -163,7 +163,8 @@ class Metrics:
             r)
         self.http_send_timeouts = Counter(
             "queen_timers_http_send_timeouts",
-            "Connections closed because their client took none of an answer for QUEEN_SEND_TIMEOUT_MS",
+            "Connections reset because their client took none of an answer for QUEEN_SEND_TIMEOUT_MS, "
+            "or took it slower than QUEEN_SEND_MIN_BYTES_PER_S",
             registry=r)
         self.database_deadlines = Counter(
             "queen_timers_database_deadlines",

@@ -316,9 +316,18 @@ async def _no_body() -> dict:
     return {"type": "http.request", "body": b"", "more_body": False}
 
 
+def _shrink_held(scope: dict, n: int) -> None:
+    """The body budget's weight of a parked request down to `n`, the bytes left to send."""
+    app = scope.get("app")
+    budget = getattr(getattr(app, "state", None), "body_budget", None)
+    if budget is not None:
+        budget.shrink_to(scope, n)
+
+
 class JsonErrorHttpToolsProtocol(HttpToolsProtocol):
     head_timeout_s = 10.0  # with_timeouts() makes a class with the broker's settings
     send_timeout_s = 60.0
+    send_min_rate = 0.0  # bytes per second a parked answer must leave at, on average (0: no bound)
     shutdown_timeout_s = 10.0
     _drain_timer: asyncio.TimerHandle | None = None
     _head_bytes = 0
@@ -333,6 +342,7 @@ class JsonErrorHttpToolsProtocol(HttpToolsProtocol):
     _send_left = 0       # bytes the client had not taken at the last look (_unsent)
     _send_progress = 0.0  # when the client last took some of them
     _parked: list | None = None  # requests whose answer is still in the buffer (park)
+    _park_deadline: float | None = None  # when the parked answers must have left (send_min_rate)
     _refusing = False  # MAX_PIPELINED queued: the rest of what the client sent is dropped
     _events = 0          # parser callbacks so far: bytes that bring none are one unfinished token
     _quiet = 0           # bytes received past a request's head since the parser's last callback
@@ -341,9 +351,9 @@ class JsonErrorHttpToolsProtocol(HttpToolsProtocol):
 
     @classmethod
     def with_timeouts(cls, head_seconds: float, send_seconds: float,
-                      shutdown_seconds: float = 10.0) -> type["JsonErrorHttpToolsProtocol"]:
+                      shutdown_seconds: float = 10.0, send_min_rate: float = 0.0) -> type["JsonErrorHttpToolsProtocol"]:
         return type(cls.__name__, (cls,), {"head_timeout_s": head_seconds, "send_timeout_s": send_seconds,
-                                           "shutdown_timeout_s": shutdown_seconds})
+                                           "shutdown_timeout_s": shutdown_seconds, "send_min_rate": send_min_rate})
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -383,7 +393,12 @@ class JsonErrorHttpToolsProtocol(HttpToolsProtocol):
     # the body budget and its request slot until the buffer drains (park, from
     # bodies.release_body), and a client that takes none of it for
     # send_timeout_s (QUEEN_SEND_TIMEOUT_MS) has its connection reset, which
-    # gives them back: nginx's send_timeout.
+    # gives them back: nginx's send_timeout. A parked answer weighs what it still
+    # has to send (its budget weight shrinks to it as it leaves), and one that a
+    # client reads, but slower than send_min_rate on average (QUEEN_SEND_MIN_BYTES_PER_S,
+    # after a send timeout's grace), is reset too: two clients reading 64 KB every
+    # 30 s held 571 MB of the budget, their pops' weights, for as long as they
+    # liked, and a third tenant's pops got 503 (Dec 8 review).
 
     def park(self, scope: dict) -> bool:
         """Hold the release of `scope`'s budget weight and slot until this connection's
@@ -395,9 +410,15 @@ class JsonErrorHttpToolsProtocol(HttpToolsProtocol):
         if self._parked is None:
             self._parked = []
         self._parked.append(scope)
+        left = self._unsent()
+        _shrink_held(scope, left)
+        if self.send_min_rate > 0:
+            due = self.loop.time() + self.send_timeout_s + left / self.send_min_rate
+            self._park_deadline = due if self._park_deadline is None else max(self._park_deadline, due)
         return True
 
     def _release_parked(self) -> None:
+        self._park_deadline = None
         parked, self._parked = self._parked, None
         for scope in parked or ():
             release_body(scope, park=False)
@@ -439,9 +460,12 @@ class JsonErrorHttpToolsProtocol(HttpToolsProtocol):
         if not self.flow.write_paused:
             return
         left, now = self._unsent(), self.loop.time()
-        if left < self._send_left:  # the client took some: it is reading, however slowly
+        too_slow = self._park_deadline is not None and now >= self._park_deadline
+        if left < self._send_left and not too_slow:  # the client took some: it is reading
             self._send_left, self._send_progress = left, now
-        elif now - self._send_progress >= self.send_timeout_s:
+            for scope in self._parked or ():
+                _shrink_held(scope, left)
+        elif too_slow or now - self._send_progress >= self.send_timeout_s:
             getattr(self.app, "on_send_timed_out", _nothing)()
             sock = self.transport.get_extra_info("socket")
             if sock is not None:  # a reset: the kernel drops what it still holds for the client too

@@ -350,6 +350,49 @@ def test_an_answer_the_client_does_not_take_is_weighed_until_it_leaves_and_reset
         assert c.get("/health").status_code == 200
 
 
+def test_an_answer_read_too_slowly_weighs_its_bytes_and_is_reset_at_the_minimum_rate(spawn_broker, db):
+    # before: the parked answer kept its pop's weight (16x its payloads) for as long as its
+    # client took a few bytes now and then: two such clients held 571 MB of the budget and a
+    # third tenant's pops got 503 (Dec 8 review)
+    b = spawn_broker(QUEEN_SEND_TIMEOUT_MS="1500", QUEEN_SEND_MIN_BYTES_PER_S="4000000")
+    with b.client(timeout=60) as c:
+        r = c.post("/api/v1/push", json={"items": [{"queue": "big", "payload": {"blob": "z" * 2000}}] * 3500})
+        assert r.status_code == 201, r.text
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect(("127.0.0.1", b.port))
+    sock.sendall(b"GET /api/v1/pop/queue/big?batch=3500 HTTP/1.1\r\nHost: x\r\n\r\n")
+    try:
+        sock.settimeout(10)
+        data = sock.recv(4096)
+        length = int(re.search(rb"content-length: (\d+)", data).group(1))
+        start = time.monotonic()
+        peak = 0
+        with pytest.raises(ConnectionResetError):
+            while time.monotonic() - start < 60:  # 64 KB every 0.1 s: about 0.6 MB/s, reading throughout
+                chunk = sock.recv(64 * 1024)
+                if not chunk or len(data) + len(chunk) >= length:  # closed, or read to the end
+                    break
+                data += chunk
+                peak = max(peak, budget_in_use(b))
+                time.sleep(0.1)
+        took = time.monotonic() - start
+    finally:
+        sock.close()
+    # the pop weighed 16x its 7 MB of payloads while it built the answer; parked, the answer
+    # weighs the bytes it still has to send
+    assert 0 < peak <= length + 65536, (peak, length)
+    # reset at about the send timeout plus the answer's size at the minimum rate (1.5 + ~4 s),
+    # long before the client would have read it all (~25 s) and with most of it unread
+    assert 2 < took < 20 and len(data) < length / 2, (took, len(data), length)
+    deadline = time.monotonic() + 10
+    while budget_in_use(b) != 0:
+        assert time.monotonic() < deadline, "the weight came back when the connection was reset"
+        time.sleep(0.05)
+    text = httpx.get(f"{b.url}/metrics/prometheus", timeout=10).text
+    assert re.search(r"^queen_timers_http_send_timeouts_total 1\.0$", text, re.M), text
+
+
 @pytest.mark.parametrize("request_line, header", [("HTTP/1.1", "Connection: close\r\n"), ("HTTP/1.0", "")])
 def test_an_unread_answer_on_a_connection_closing_after_it_is_weighed_and_reset_too(
         spawn_broker, db, request_line, header):
