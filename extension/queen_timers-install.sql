@@ -741,7 +741,9 @@ CREATE TYPE queen.timer_op AS (
     partition     text,     -- NULL: 'Default'
     payload_zstd  boolean,
     encrypted     boolean,
-    raw_size      integer   -- decompressed size when payload_zstd (checked against the ceiling)
+    raw_size      integer   -- decompressed size when payload_zstd (checked against the ceiling);
+                            -- for a payload the broker encrypted (encrypted, not payload_zstd), the
+                            -- client's decoded (and decompressed) size, which the ceiling is on
 );
 
 -- One verdict per operation, in input order.
@@ -946,6 +948,19 @@ $$;
 -- The gate ladder of POST /api/v1/timers, in order, before any write.
 -- Refuses the whole batch by raising; passing it has no visible effect
 -- besides the rate tokens taken (undone if the caller's batch fails).
+-- The size the payload ceiling is on: the decoded bytes and, for zstd, the
+-- decompressed ones (raw_size); for a payload the broker encrypted (encrypted
+-- and raw_size, not zstd), the client's bytes: raw_size, or what the stored
+-- envelope's length says they were at least (Queen's envelope is base64 of
+-- them plus 77 bytes), whichever is larger.
+CREATE FUNCTION queen.timer_payload_size(o queen.timer_op)
+RETURNS bigint
+LANGUAGE sql IMMUTABLE AS $$
+    SELECT CASE WHEN o.encrypted AND o.raw_size IS NOT NULL AND NOT coalesce(o.payload_zstd, false)
+                THEN greatest(o.raw_size, (octet_length(o.payload) - 77) / 4 * 3 - 2)
+                ELSE greatest(octet_length(o.payload), coalesce(o.raw_size, 0)) END
+$$;
+
 CREATE FUNCTION queen.check_timer_gates(
     p_tenant     text,
     p_ops        queen.timer_op[],
@@ -1007,16 +1022,19 @@ BEGIN
                   DETAIL = format('delayMs %s for %s/%s is beyond the horizon of %s ms',
                                   v_bad.delay_ms, v_bad.queue, v_bad.timer_key, l.horizon_ms);
     END IF;
-    -- 7. payload ceiling, on the decoded and on the decompressed bytes
+    -- 7. payload ceiling, on the decoded and on the decompressed bytes. A payload the
+    -- broker encrypted for its queue (encrypted with a raw_size, not zstd) is judged on
+    -- the client's bytes, raw_size, not on the envelope stored (4/3 of them plus 77
+    -- bytes: a 768 KiB payload was refused, Dec 8 review); the envelope's own length
+    -- bounds it too, so a raw_size given from psql cannot let a larger one in.
     SELECT * INTO v_bad FROM unnest(p_ops) o
      WHERE o.op IN ('schedule', 'reschedule')
-       AND greatest(octet_length(o.payload), coalesce(o.raw_size, 0)) > l.max_payload_bytes LIMIT 1;
+       AND queen.timer_payload_size(o) > l.max_payload_bytes LIMIT 1;
     IF FOUND THEN
         RAISE EXCEPTION 'payload_too_large'
             USING ERRCODE = 'QTBIG',
                   DETAIL = format('payload of %s/%s is %s bytes; the ceiling is %s',
-                                  v_bad.queue, v_bad.timer_key,
-                                  greatest(octet_length(v_bad.payload), coalesce(v_bad.raw_size, 0)),
+                                  v_bad.queue, v_bad.timer_key, queen.timer_payload_size(v_bad),
                                   l.max_payload_bytes);
     END IF;
     RETURN l;
@@ -1183,6 +1201,9 @@ BEGIN
                        CASE WHEN s.n IS NULL THEN x.payload ELSE ''::bytea END, x.partition,
                        x.payload_zstd, x.encrypted,
                        CASE WHEN s.n IS NULL THEN x.raw_size
+                            WHEN x.encrypted AND x.raw_size IS NOT NULL AND NOT coalesce(x.payload_zstd, false)
+                            -- the client's bytes, at least what the staged envelope's length says
+                            THEN greatest(x.raw_size, (octet_length(s.payload) - 77) / 4 * 3 - 2)
                             ELSE greatest(x.raw_size, octet_length(s.payload)) END)::queen.timer_op
               FROM unnest(p_ops) WITH ORDINALITY AS x(op, queue, timer_key, delay_ms, txn, payload,
                                                   partition, payload_zstd, encrypted, raw_size, n)
@@ -2822,6 +2843,12 @@ BEGIN
         RAISE EXCEPTION 'timers_bad_request' USING ERRCODE = 'QTBAD',
             DETAIL = format('consumerGroup is %s bytes; at most 255', octet_length(p_consumer_group));
     END IF;
+    -- the group timers' dead letters are filed under: no consumer reads or acks in it,
+    -- so replay_dlq_entry can tell a timer's dead letter by it (migration 043)
+    IF p_consumer_group = '__QUEEN_TIMERS__' THEN
+        RAISE EXCEPTION 'timers_bad_request' USING ERRCODE = 'QTBAD',
+            DETAIL = 'consumerGroup __QUEEN_TIMERS__ is reserved: the group of timers'' dead letters';
+    END IF;
     IF p_max_bytes IS NOT NULL AND p_max_bytes < 1 THEN
         RAISE EXCEPTION 'timers_bad_request' USING ERRCODE = 'QTBAD',
             DETAIL = format('max_bytes must be at least 1, got %s', p_max_bytes);
@@ -2959,11 +2986,14 @@ BEGIN
              WHEN NOT queen.log_name_fits(x.consumer_group)  -- a key no index holds (migration 042)
                THEN format('acknowledgments[%s]: consumerGroup is %s bytes; at most 255', x.n - 1,
                            octet_length(x.consumer_group))
+             WHEN x.consumer_group = '__QUEEN_TIMERS__'  -- timers' dead letters' group (migration 043)
+               THEN format('acknowledgments[%s]: consumerGroup __QUEEN_TIMERS__ is reserved: the group of timers'' dead letters', x.n - 1)
              ELSE format('acknowledgments[%s]: unknown status %L', x.n - 1, x.status)
            END INTO v_msg
       FROM unnest(p_acks) WITH ORDINALITY AS x(transaction_id, partition_id, status, error, lease_id, consumer_group, n)
      WHERE x.transaction_id IS NULL OR x.transaction_id = '' OR x.partition_id IS NULL
         OR NOT queen.log_name_fits(x.transaction_id) OR NOT queen.log_name_fits(x.consumer_group)
+        OR x.consumer_group = '__QUEEN_TIMERS__'
         OR (x.status IS NOT NULL AND x.status NOT IN ('completed', 'success', 'failed', 'dlq', 'retry'))
      ORDER BY x.n LIMIT 1;
     IF v_msg IS NOT NULL THEN
@@ -3932,5 +3962,6 @@ INSERT INTO queen.schema_migrations (version, name) VALUES
     (39, 'log_replay_and_txn_acks'),
     (40, 'ack_read_horizon'),
     (41, 'bounded_texts'),
-    (42, 'psql_arguments');
+    (42, 'psql_arguments'),
+    (43, 'payload_size_and_reserved_group');
 COMMIT;

@@ -99,12 +99,20 @@ def _opt_str(obj: dict, key: str, where: str) -> str | None:
     return _no_nul(f"{where}{key}", value)
 
 
-def _group(value: str | None, where: str = "") -> str | None:
+TIMERS_DLQ_GROUP = "__QUEEN_TIMERS__"  # the group timers' dead letters are filed under
+
+
+def _group(value: str | None, where: str = "", consumer: bool = True) -> str | None:
     """A consumer group name, checked like the other names (a NUL, bad Unicode or over 255
     bytes is 400): it is a key of the cursors' index, where an oversized one would fail as a
-    capacity error (503) instead. None passes (the default group)."""
+    capacity error (503) instead. None passes (the default group). A consumer (a pop, an
+    ack) may not name TIMERS_DLQ_GROUP: replay tells a timer's dead letter by it (migration
+    043); the DLQ is still listed by it."""
     if value is not None:
         check_name("consumerGroup", value, where)
+        if consumer and value == TIMERS_DLQ_GROUP:
+            raise bad_request(f"{where}consumerGroup {TIMERS_DLQ_GROUP} is reserved: the group of "
+                              "timers' dead letters")
     return value
 
 
@@ -520,7 +528,7 @@ def _largest_payload(settings) -> int:
 async def list_dlq(request: Request) -> JSONResponse:
     principal = request.app.state.auth.require(request, READ_ONLY)
     queue = _no_nul("queue", query_param(request.scope, "queue")) or None
-    group = _group(query_param(request.scope, "consumerGroup")) or None
+    group = _group(query_param(request.scope, "consumerGroup"), consumer=False) or None
     if queue is not None:
         check_name("queue", queue)
     limit = _int_param(request, "limit", 100, 1, 1000)

@@ -512,10 +512,12 @@ def _encrypt_ops(ops: list[dict], encrypting: set[str], key: bytes | None) -> No
             plain = o["plain"]
         else:
             plain = o["payload"]
+        # the ceiling is on the client's decoded (and decompressed) bytes, not on the
+        # envelope stored (queen.timer_payload_size): raw_size carries their size
+        o["raw_size"] = max(len(o["payload"]), len(plain))
         o["payload"] = payloads.encrypt(key, plain)
         o["payloadZstd"] = False
         o["encrypted"] = True
-        o["raw_size"] = None
 
 
 COLUMNS = ("op", "queue", "timer_key", "delay_ms", "txn", "payload", "partition", "payload_zstd",

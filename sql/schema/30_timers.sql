@@ -89,7 +89,9 @@ CREATE TYPE queen.timer_op AS (
     partition     text,     -- NULL: 'Default'
     payload_zstd  boolean,
     encrypted     boolean,
-    raw_size      integer   -- decompressed size when payload_zstd (checked against the ceiling)
+    raw_size      integer   -- decompressed size when payload_zstd (checked against the ceiling);
+                            -- for a payload the broker encrypted (encrypted, not payload_zstd), the
+                            -- client's decoded (and decompressed) size, which the ceiling is on
 );
 
 -- One verdict per operation, in input order.
@@ -294,6 +296,19 @@ $$;
 -- The gate ladder of POST /api/v1/timers, in order, before any write.
 -- Refuses the whole batch by raising; passing it has no visible effect
 -- besides the rate tokens taken (undone if the caller's batch fails).
+-- The size the payload ceiling is on: the decoded bytes and, for zstd, the
+-- decompressed ones (raw_size); for a payload the broker encrypted (encrypted
+-- and raw_size, not zstd), the client's bytes: raw_size, or what the stored
+-- envelope's length says they were at least (Queen's envelope is base64 of
+-- them plus 77 bytes), whichever is larger.
+CREATE FUNCTION queen.timer_payload_size(o queen.timer_op)
+RETURNS bigint
+LANGUAGE sql IMMUTABLE AS $$
+    SELECT CASE WHEN o.encrypted AND o.raw_size IS NOT NULL AND NOT coalesce(o.payload_zstd, false)
+                THEN greatest(o.raw_size, (octet_length(o.payload) - 77) / 4 * 3 - 2)
+                ELSE greatest(octet_length(o.payload), coalesce(o.raw_size, 0)) END
+$$;
+
 CREATE FUNCTION queen.check_timer_gates(
     p_tenant     text,
     p_ops        queen.timer_op[],
@@ -355,16 +370,19 @@ BEGIN
                   DETAIL = format('delayMs %s for %s/%s is beyond the horizon of %s ms',
                                   v_bad.delay_ms, v_bad.queue, v_bad.timer_key, l.horizon_ms);
     END IF;
-    -- 7. payload ceiling, on the decoded and on the decompressed bytes
+    -- 7. payload ceiling, on the decoded and on the decompressed bytes. A payload the
+    -- broker encrypted for its queue (encrypted with a raw_size, not zstd) is judged on
+    -- the client's bytes, raw_size, not on the envelope stored (4/3 of them plus 77
+    -- bytes: a 768 KiB payload was refused, Dec 8 review); the envelope's own length
+    -- bounds it too, so a raw_size given from psql cannot let a larger one in.
     SELECT * INTO v_bad FROM unnest(p_ops) o
      WHERE o.op IN ('schedule', 'reschedule')
-       AND greatest(octet_length(o.payload), coalesce(o.raw_size, 0)) > l.max_payload_bytes LIMIT 1;
+       AND queen.timer_payload_size(o) > l.max_payload_bytes LIMIT 1;
     IF FOUND THEN
         RAISE EXCEPTION 'payload_too_large'
             USING ERRCODE = 'QTBIG',
                   DETAIL = format('payload of %s/%s is %s bytes; the ceiling is %s',
-                                  v_bad.queue, v_bad.timer_key,
-                                  greatest(octet_length(v_bad.payload), coalesce(v_bad.raw_size, 0)),
+                                  v_bad.queue, v_bad.timer_key, queen.timer_payload_size(v_bad),
                                   l.max_payload_bytes);
     END IF;
     RETURN l;
@@ -531,6 +549,9 @@ BEGIN
                        CASE WHEN s.n IS NULL THEN x.payload ELSE ''::bytea END, x.partition,
                        x.payload_zstd, x.encrypted,
                        CASE WHEN s.n IS NULL THEN x.raw_size
+                            WHEN x.encrypted AND x.raw_size IS NOT NULL AND NOT coalesce(x.payload_zstd, false)
+                            -- the client's bytes, at least what the staged envelope's length says
+                            THEN greatest(x.raw_size, (octet_length(s.payload) - 77) / 4 * 3 - 2)
                             ELSE greatest(x.raw_size, octet_length(s.payload)) END)::queen.timer_op
               FROM unnest(p_ops) WITH ORDINALITY AS x(op, queue, timer_key, delay_ms, txn, payload,
                                                   partition, payload_zstd, encrypted, raw_size, n)

@@ -419,6 +419,12 @@ BEGIN
         RAISE EXCEPTION 'timers_bad_request' USING ERRCODE = 'QTBAD',
             DETAIL = format('consumerGroup is %s bytes; at most 255', octet_length(p_consumer_group));
     END IF;
+    -- the group timers' dead letters are filed under: no consumer reads or acks in it,
+    -- so replay_dlq_entry can tell a timer's dead letter by it (migration 043)
+    IF p_consumer_group = '__QUEEN_TIMERS__' THEN
+        RAISE EXCEPTION 'timers_bad_request' USING ERRCODE = 'QTBAD',
+            DETAIL = 'consumerGroup __QUEEN_TIMERS__ is reserved: the group of timers'' dead letters';
+    END IF;
     IF p_max_bytes IS NOT NULL AND p_max_bytes < 1 THEN
         RAISE EXCEPTION 'timers_bad_request' USING ERRCODE = 'QTBAD',
             DETAIL = format('max_bytes must be at least 1, got %s', p_max_bytes);
@@ -556,11 +562,14 @@ BEGIN
              WHEN NOT queen.log_name_fits(x.consumer_group)  -- a key no index holds (migration 042)
                THEN format('acknowledgments[%s]: consumerGroup is %s bytes; at most 255', x.n - 1,
                            octet_length(x.consumer_group))
+             WHEN x.consumer_group = '__QUEEN_TIMERS__'  -- timers' dead letters' group (migration 043)
+               THEN format('acknowledgments[%s]: consumerGroup __QUEEN_TIMERS__ is reserved: the group of timers'' dead letters', x.n - 1)
              ELSE format('acknowledgments[%s]: unknown status %L', x.n - 1, x.status)
            END INTO v_msg
       FROM unnest(p_acks) WITH ORDINALITY AS x(transaction_id, partition_id, status, error, lease_id, consumer_group, n)
      WHERE x.transaction_id IS NULL OR x.transaction_id = '' OR x.partition_id IS NULL
         OR NOT queen.log_name_fits(x.transaction_id) OR NOT queen.log_name_fits(x.consumer_group)
+        OR x.consumer_group = '__QUEEN_TIMERS__'
         OR (x.status IS NOT NULL AND x.status NOT IN ('completed', 'success', 'failed', 'dlq', 'retry'))
      ORDER BY x.n LIMIT 1;
     IF v_msg IS NOT NULL THEN

@@ -44,4 +44,5 @@ INSERT INTO queen.schema_migrations (version, name) VALUES
     (39, 'log_replay_and_txn_acks'),
     (40, 'ack_read_horizon'),
     (41, 'bounded_texts'),
-    (42, 'psql_arguments');
+    (42, 'psql_arguments'),
+    (43, 'payload_size_and_reserved_group');

@@ -517,3 +517,25 @@ def test_a_push_over_a_mebibyte_closes_its_connection_without_a_warning(spawn_br
     assert sorted(m["transactionId"] for m in got["messages"]) == ["big-0", "big-1", "big-2"]
     assert all(m["data"] == {"blob": big} for m in got["messages"])
     assert "discarding closed connection" not in broker.log(), broker.log()[-2000:]
+
+
+def test_the_group_of_timers_dead_letters_is_not_a_consumer_group(client, db):
+    # before: a consumer could pop and dead-letter in __QUEEN_TIMERS__, and its dead letter
+    # was then refused replay as a timer's (409 dlq_replay_refused; Dec 8 review)
+    push(client, {"queue": "gq", "payload": {"n": 1}, "transactionId": "g1"})
+    msg = pop(client, "gq")["messages"][0]
+    r = client.get("/api/v1/pop/queue/gq", params={"consumerGroup": "__QUEEN_TIMERS__"})
+    assert r.status_code == 400 and "reserved" in r.json()["detail"], r.text
+    for path, body in (("/api/v1/ack", {"transactionId": "g1", "partitionId": msg["partitionId"], "status": "dlq",
+                                        "consumerGroup": "__QUEEN_TIMERS__"}),
+                       ("/api/v1/ack/batch", {"consumerGroup": "__QUEEN_TIMERS__", "acknowledgments": [
+                           {"transactionId": "g1", "partitionId": msg["partitionId"], "status": "dlq"}]}),
+                       ("/api/v1/transaction", {"operations": [
+                           {"type": "ack", "transactionId": "g1", "partitionId": msg["partitionId"],
+                            "status": "dlq", "consumerGroup": "__QUEEN_TIMERS__"}]})):
+        r = client.post(path, json=body)
+        assert r.status_code == 400 and "reserved" in r.json()["detail"], (path, r.text)
+    assert db.execute("SELECT count(*) AS n FROM queen.dead_letter_queue").fetchone()["n"] == 0
+    # the DLQ is still listed by that group (the timers' dead letters)
+    r = client.get("/api/v1/dlq", params={"consumerGroup": "__QUEEN_TIMERS__"})
+    assert r.status_code == 200 and r.json()["messages"] == [], r.text

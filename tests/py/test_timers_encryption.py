@@ -122,3 +122,22 @@ def test_the_missing_key_is_logged_once_a_minute_not_once_a_request(spawn_broker
         for i in range(20):
             assert_error(post(c, op("schedule", f"k{i}", queue="secret")), 403, "feature_gated")
     assert b.log().count("QUEEN_ENCRYPTION_KEY is not set") == 1, b.log()[-2000:]
+
+
+def test_the_ceiling_is_on_the_client_bytes_not_the_envelope(enc_client, db):
+    # before: the ceiling was judged on the stored envelope (4/3 of the bytes plus 77), so a
+    # payload of 800,000 bytes into an encrypting queue was 413, into a plain one 200 (Dec 8 review)
+    at_ceiling = os.urandom(1048576)
+    r = post(enc_client, op("schedule", "big", queue="secret", payload=b64(at_ceiling)),
+             op("schedule", "mid", queue="secret", payload=b64(os.urandom(800_000))))
+    assert [v["status"] for v in r.json()["results"]] == ["scheduled", "scheduled"], r.text
+    stored = {row["timer_key"]: row["payload"] for row in rows(db)}
+    assert payloads.decrypt(KEY, stored["big"]) == at_ceiling and len(stored["big"]) > 1048576
+    r = post(enc_client, op("schedule", "over", queue="secret", payload=b64(os.urandom(1048577))))
+    assert_error(r, 413, "payload_too_large")
+    assert "1048577 bytes" in r.json()["detail"]
+    # a zstd payload that inflates past the ceiling is refused by its decompressed size, as before
+    packed = zstandard.ZstdCompressor().compress(b"\0" * 1048577)
+    r = post(enc_client, op("schedule", "bomb", queue="secret", payload=b64(packed), payloadZstd=True))
+    assert_error(r, 413, "payload_too_large")
+    assert sorted(row["timer_key"] for row in rows(db)) == ["big", "mid"]
