@@ -304,14 +304,15 @@ class BodyBudget:
         self._unhold(tenant, had - n)
         self._admit()
 
-    def shrink_to(self, scope: dict, n: int) -> None:
+    def shrink_to(self, scope: dict, n: int) -> int:
         """Hold at most `n` in all for this request (its last weights cut first): an
         answer that has left Python for the connection's buffer holds its bytes there,
-        no longer the objects it was built from (server.py's park)."""
+        no longer the objects it was built from (server.py's park). Returns what it cut."""
         held = scope.get(HELD_KEY)
         excess = sum(w for _, w in held) - max(n, 0) if held else 0
         if excess <= 0:
-            return
+            return 0
+        cut_total = excess
         while excess > 0 and held:
             tenant, w = held[-1]
             cut = min(w, excess)
@@ -322,6 +323,7 @@ class BodyBudget:
             self._unhold(tenant, cut)
             excess -= cut
         self._admit()
+        return cut_total
 
     def release(self, scope: dict) -> int:
         """Give back everything the request holds; admit the waiters that now fit."""

@@ -53,7 +53,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
 from . import db
-from .bodies import PROTOCOL_KEY, release_body
+from .bodies import PROTOCOL_KEY, TRIM_AFTER_BYTES, release_body, trim_malloc
 from .config import MAX_HEAD_BYTES, tenant_share
 from .convertors import RAW_PATH_KEY
 from .errors import STOPPED_BODY, STOPPED_HEADERS
@@ -186,6 +186,8 @@ class OneWrite:
         self._sent_head = False
 
     def write(self, data: bytes) -> None:
+        scope = self._cycle.scope
+        scope[ANSWER_BYTES_KEY] = scope.get(ANSWER_BYTES_KEY, 0) + len(data)  # park weighs it
         head = self._head
         if head is not None:
             self._head = None
@@ -316,12 +318,17 @@ async def _no_body() -> dict:
     return {"type": "http.request", "body": b"", "more_body": False}
 
 
+ANSWER_BYTES_KEY = "queen.answer_bytes"  # scope key: the bytes of the answer's body written (OneWrite)
+
+
 def _shrink_held(scope: dict, n: int) -> None:
-    """The body budget's weight of a parked request down to `n`, the bytes left to send."""
+    """The body budget's weight of a parked request down to `n`, what its answer still
+    holds; the objects it was built from are freed: the allocator is trimmed after a
+    large cut, as release_body does."""
     app = scope.get("app")
     budget = getattr(getattr(app, "state", None), "body_budget", None)
-    if budget is not None:
-        budget.shrink_to(scope, n)
+    if budget is not None and budget.shrink_to(scope, n) >= TRIM_AFTER_BYTES:
+        trim_malloc()
 
 
 class JsonErrorHttpToolsProtocol(HttpToolsProtocol):
@@ -394,11 +401,13 @@ class JsonErrorHttpToolsProtocol(HttpToolsProtocol):
     # bodies.release_body), and a client that takes none of it for
     # send_timeout_s (QUEEN_SEND_TIMEOUT_MS) has its connection reset, which
     # gives them back: nginx's send_timeout. A parked answer weighs what it still
-    # has to send (its budget weight shrinks to it as it leaves), and one that a
-    # client reads, but slower than send_min_rate on average (QUEEN_SEND_MIN_BYTES_PER_S,
-    # after a send timeout's grace), is reset too: two clients reading 64 KB every
-    # 30 s held 571 MB of the budget, their pops' weights, for as long as they
-    # liked, and a third tenant's pops got 503 (Dec 8 review).
+    # holds: its body, whole (uvloop keeps the object written until its last byte has
+    # left the buffer), and anything ahead of it; no longer the objects it was built
+    # from. One that a client reads, but slower than send_min_rate on average
+    # (QUEEN_SEND_MIN_BYTES_PER_S, after a send timeout's grace), is reset too: two
+    # clients reading 64 KB every 30 s held 571 MB of the budget, their pops'
+    # weights, for as long as they liked, and a third tenant's pops got 503 (Dec 8
+    # review).
 
     def park(self, scope: dict) -> bool:
         """Hold the release of `scope`'s budget weight and slot until this connection's
@@ -411,7 +420,7 @@ class JsonErrorHttpToolsProtocol(HttpToolsProtocol):
             self._parked = []
         self._parked.append(scope)
         left = self._unsent()
-        _shrink_held(scope, left)
+        _shrink_held(scope, max(left, scope.get(ANSWER_BYTES_KEY, 0)))
         if self.send_min_rate > 0:
             due = self.loop.time() + self.send_timeout_s + left / self.send_min_rate
             self._park_deadline = due if self._park_deadline is None else max(self._park_deadline, due)
@@ -463,8 +472,6 @@ class JsonErrorHttpToolsProtocol(HttpToolsProtocol):
         too_slow = self._park_deadline is not None and now >= self._park_deadline
         if left < self._send_left and not too_slow:  # the client took some: it is reading
             self._send_left, self._send_progress = left, now
-            for scope in self._parked or ():
-                _shrink_held(scope, left)
         elif too_slow or now - self._send_progress >= self.send_timeout_s:
             getattr(self.app, "on_send_timed_out", _nothing)()
             sock = self.transport.get_extra_info("socket")

@@ -380,7 +380,7 @@ def test_an_answer_read_too_slowly_weighs_its_bytes_and_is_reset_at_the_minimum_
     finally:
         sock.close()
     # the pop weighed 16x its 7 MB of payloads while it built the answer; parked, the answer
-    # weighs the bytes it still has to send
+    # weighs its own bytes (the body uvloop holds until it has all left)
     assert 0 < peak <= length + 65536, (peak, length)
     # reset at about the send timeout plus the answer's size at the minimum rate (1.5 + ~4 s),
     # long before the client would have read it all (~25 s) and with most of it unread
