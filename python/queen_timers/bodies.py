@@ -781,11 +781,7 @@ def json_text_ok(raw: bytes) -> bool:
     into values took 310 ms, all of it holding the event loop); a text with an exponent
     or a 300-digit run outside its strings is parsed whole, for the numbers' range."""
     if len(raw) < _SKIP_FROM_BYTES:
-        try:
-            parse_json(raw)
-        except ValueError:
-            return False
-        return True
+        return _parses(raw)
     try:
         raw.decode("utf-8")  # the skip does not check the bytes inside strings
     except UnicodeDecodeError:
@@ -798,11 +794,14 @@ def json_text_ok(raw: bytes) -> bool:
     except (msgspec.DecodeError, RecursionError):
         return False
     shape = outside.translate(_NUMBER_SHAPE)
-    if b"0e" in shape or _LONG_NUMBER in shape:
-        try:
-            parse_json(raw)
-        except ValueError:
-            return False
+    return not (b"0e" in shape or _LONG_NUMBER in shape) or _parses(raw)
+
+
+def _parses(raw: bytes) -> bool:
+    try:
+        parse_json(raw)
+    except ValueError:
+        return False
     return True
 
 
@@ -834,9 +833,10 @@ def parse_json(raw: bytes, *, limit: int = MAX_JSON_DEPTH, max_values: int | Non
 # reading a body
 # ---------------------------------------------------------------------------
 
-class _Turns:
-    """The loop's turn for the others, once a request's task has scanned for SCAN_TURN_S
-    (counted from its last turn, or from its start: at worst one turn too many)."""
+class LoopTurns:
+    """The loop's turn for the others, once a request's task has worked for SCAN_TURN_S
+    (counted from its last turn, or from its start: at worst one turn too many): a body's
+    scan, and the stored payloads an answer checks one by one (routes_log)."""
 
     __slots__ = ("since",)
 
@@ -849,7 +849,7 @@ class _Turns:
             self.since = time.perf_counter()
 
 
-async def _pieces(request: Request, turns: _Turns, *, timers: bool, listless: bool):
+async def _pieces(request: Request, turns: LoopTurns, *, timers: bool, listless: bool):
     """The body in pieces of at most SCAN_SLICE bytes, under the route's cap and the
     budget; the loop gets its turn between pieces once this request has had its
     SCAN_TURN_S (the caller's work on a piece counts). `listless`: a log route whose
@@ -922,7 +922,7 @@ async def read_json(request: Request, *, empty: object = ..., unicode: bool = Fa
     small = bytearray()
     scanner: JsonScanner | None = None
 
-    turns = _Turns()
+    turns = LoopTurns()
 
     async def consume() -> None:
         nonlocal scanner

@@ -108,19 +108,10 @@ def decrypt(key: bytes, envelope_bytes: bytes) -> bytes:
 
 
 def json_data_fragment(data: bytes) -> object:
-    """as_json_data for an answer encoded by orjson: valid JSON bytes are embedded as
-    they are (orjson.Fragment), not parsed into Python objects and encoded again."""
+    """What Queen clients read as `data`, for an answer encoded by orjson: valid JSON
+    bytes embedded as they are (orjson.Fragment), not parsed into Python objects and
+    encoded again; otherwise the bytes as base64 text."""
     from .bodies import json_text_ok
     if json_text_ok(data):  # what parse_json accepts (strict, depth-limited), without its values
         return orjson.Fragment(data)
     return encode_base64(data)
-
-
-def as_json_data(data: bytes) -> object:
-    """What Queen clients read as `data`: the JSON value when the bytes are JSON,
-    otherwise the bytes as base64 text."""
-    from .bodies import parse_json  # strict, depth-limited: a 2,000-deep payload is not a 500
-    try:
-        return parse_json(data)
-    except ValueError:  # not UTF-8, not JSON, NaN, or nested past the limit
-        return encode_base64(data)

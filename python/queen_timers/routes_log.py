@@ -27,7 +27,7 @@ from starlette.routing import Route
 
 from . import convertors, db, payloads  # noqa: F401 (convertors: registers {x:anypath})
 from .auth import READ_ONLY, READ_WRITE
-from .bodies import PAYLOAD_CEILING_BYTES, TENANT_KEY, read_json, weigh_answer, weigh_fetched
+from .bodies import PAYLOAD_CEILING_BYTES, TENANT_KEY, LoopTurns, read_json, weigh_answer, weigh_fetched
 from .convertors import RawRoute, path_param
 from .errors import ApiError, bad_request, check_json_unicode, check_text, from_exception, query_int, query_param
 from .limits import INT32_MAX, check_name
@@ -212,25 +212,6 @@ def _parse_push_item(item: object, where: str) -> tuple:
 
 
 PARSE_SLICE = 500  # items parsed between two yields to the event loop
-# ... or this many payload bytes checked as JSON, whichever comes first: 500 dead
-# letters of 18 KB dense JSON held the loop ~0.3 s between two turns (Dec 8 review)
-PARSE_SLICE_BYTES = 1024 * 1024
-
-
-class _Turns:
-    """The loop's turn between stored payloads of one answer, every PARSE_SLICE of them
-    or PARSE_SLICE_BYTES of their bytes (a single payload is checked in one call)."""
-    __slots__ = ("count", "size")
-
-    def __init__(self):
-        self.count = self.size = 0
-
-    async def after(self, nbytes: int) -> None:
-        self.count += 1
-        self.size += nbytes
-        if self.count >= PARSE_SLICE or self.size >= PARSE_SLICE_BYTES:
-            self.count = self.size = 0
-            await asyncio.sleep(0)  # let other requests in
 
 
 async def _parse_push_items(items: list) -> list[tuple]:
@@ -355,7 +336,7 @@ async def pop(request: Request) -> Response:
 
     lease_id = "" if auto_ack else str(rows[0]["lease_id"])
     messages = []
-    turns = _Turns()
+    turns = LoopTurns()  # a turn once checking the stored payloads has taken its slice
     for r in rows:
         data = _read_payload(settings, bytes(r["payload"]), r["is_encrypted"])
         messages.append({
@@ -365,7 +346,7 @@ async def pop(request: Request) -> Response:
             "queue": r["queue"], "partitionId": str(r["partition_id"]), "partition": r["partition"],
             "leaseId": lease_id, "consumerGroup": r["consumer_group"],
         })
-        await turns.after(len(data))
+        await turns.maybe()
     first = rows[0]
     del rows
     # orjson: the `data` fragments are embedded as stored; json.dumps of 8,000 messages held the loop ~1 s
@@ -407,18 +388,17 @@ def _parse_ack(obj: object, where: str, default_group: str | None) -> tuple:
     return (txn, partition_id, status, error, lease, group or default_group)
 
 
-def _text_array(values: list) -> db.BinaryArray | None:
-    return db.binary_array(db.TextArray, values)
+def _binary_columns(kinds: tuple, columns: list[list]) -> list:
+    """Columns as binary array parameters (%b), built in bulk by db.binary_array (a kind of
+    None: a uuid column, dumped by psycopg): as text parameters, psycopg quoted 1,000 errors
+    of 8,000 characters element by element in Python, and held the loop 0.35-0.47 s per 8 MB
+    ack batch (Dec 8 review). An all-NULL column is sent as NULL (a multi-argument unnest
+    pads it)."""
+    return [db.array_param(c) if kind is None else db.binary_array(kind, c) for kind, c in zip(kinds, columns)]
 
 
-def _ack_columns(acks: list[tuple]) -> list:
-    """The acks' six columns as binary arrays, built in bulk: as text parameters, psycopg
-    quoted 1,000 errors of 8,000 characters element by element in Python, and held the
-    loop 0.35-0.47 s per 8 MB body (Dec 8 review). An all-NULL column is sent as NULL (a
-    multi-argument unnest pads it); the transaction ids never are."""
-    txn, pid, status, error, lease, group = ([a[i] for a in acks] for i in range(6))
-    return [_text_array(txn), db.array_param(pid), _text_array(status), _text_array(error),
-            _text_array(lease), _text_array(group)]
+# ack_messages' item columns: transactionId, partitionId, status, error, leaseId, consumerGroup
+ACK_KINDS = (db.TextArray, None, db.TextArray, db.TextArray, db.TextArray, db.TextArray)
 
 
 async def _ack(request: Request, tenant: str, acks: list[tuple]) -> list[dict]:
@@ -432,7 +412,7 @@ async def _ack(request: Request, tenant: str, acks: list[tuple]) -> list[dict]:
                            FROM unnest(%b::text[], %b::uuid[], %b::text[], %b::text[], %b::text[], %b::text[])
                                 WITH ORDINALITY AS x(t, p, s, e, l, g, n)
                           ORDER BY x.n))""",
-            (tenant, *_ack_columns(acks)))
+            (tenant, *_binary_columns(ACK_KINDS, [[a[i] for a in acks] for i in range(6)])))
         rows = await cur.fetchall()
     return [{"index": r["idx"], "transactionId": r["transaction_id"], "success": r["success"],
              "error": r["error"], "queueName": r["queue_name"], "partitionName": r["partition_name"],
@@ -548,7 +528,7 @@ async def list_dlq(request: Request) -> JSONResponse:
         cur = await conn.execute("SELECT queen.count_dlq(%s, %s, %s) AS total", (principal.tenant, queue, group))
         total = (await cur.fetchone())["total"]
     messages = []
-    turns = _Turns()
+    turns = LoopTurns()  # a turn once checking the stored payloads has taken its slice
     for r in rows:
         raw = bytes(r["payload"])  # not decrypted here, as Queen's DLQ route
         messages.append({
@@ -561,7 +541,7 @@ async def list_dlq(request: Request) -> JSONResponse:
             "producerSub": r["producer_sub"], "createdAt": iso_us(r["created_at"]),
             "failedAt": iso_us(r["failed_at"]),
         })
-        await turns.after(len(raw))
+        await turns.maybe()
     if len(rows) < limit and offset + len(rows) < total:
         limit = len(rows)  # cut short by the bytes bound: offset + limit is the next page
     del rows
@@ -605,6 +585,11 @@ SELECT o.transaction_id, o.success, o.error, o.failed_index,
          %s::text[],
          %s) o
 """
+
+
+# execute_transaction's op columns, in TXN_SQL's order (None: a uuid column)
+TXN_KINDS = (db.TextArray, db.TextArray, db.TextArray, db.TextArray, None, db.ByteaArray,
+             db.BoolArray, None, db.TextArray, db.TextArray, db.TextArray, db.TextArray)
 
 
 def _txn_result(r: dict) -> dict:
@@ -693,12 +678,9 @@ async def transaction(request: Request) -> JSONResponse:
                 row = ("ack", None, None, t, None, None, None, pid, st, err, lease, group)
             for c, v in zip(cols, row):
                 c.append(v)
-        # binary arrays, built in bulk (_ack_columns): the text form held the loop ~0.3 s
-        # for 10,000 pushed items or 1,100 acks with long errors (Dec 8 review)
-        kinds = (db.TextArray, db.TextArray, db.TextArray, db.TextArray, None, db.ByteaArray,
-                 db.BoolArray, None, db.TextArray, db.TextArray, db.TextArray, db.TextArray)
-        params = [db.array_param(c) if kind is None else db.binary_array(kind, c) for kind, c in zip(kinds, cols)]
-        cur = await conn.execute(TXN_SQL, (principal.tenant, *params, required, principal.sub))
+        # the text form held the loop ~0.3 s for 10,000 pushed items (Dec 8 review)
+        cur = await conn.execute(TXN_SQL, (principal.tenant, *_binary_columns(TXN_KINDS, cols), required,
+                                           principal.sub))
         out = await cur.fetchone()
     body = {"transactionId": str(out["transaction_id"]), "success": out["success"],
             "results": [_txn_result(r) for r in out["results"]]}
