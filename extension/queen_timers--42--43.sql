@@ -158,11 +158,12 @@ BEGIN
             SELECT ROW(x.op, x.queue, x.timer_key, x.delay_ms, x.txn,
                        CASE WHEN s.n IS NULL THEN x.payload ELSE ''::bytea END, x.partition,
                        x.payload_zstd, x.encrypted,
+                       -- the size the ceiling is on, as the op with its staged bytes has it
                        CASE WHEN s.n IS NULL THEN x.raw_size
-                            WHEN x.encrypted AND x.raw_size IS NOT NULL AND NOT coalesce(x.payload_zstd, false)
-                            -- the client's bytes, at least what the staged envelope's length says
-                            THEN greatest(x.raw_size, (octet_length(s.payload) - 77) / 4 * 3 - 2)
-                            ELSE greatest(x.raw_size, octet_length(s.payload)) END)::queen.timer_op
+                            ELSE queen.timer_payload_size(ROW(x.op, x.queue, x.timer_key, x.delay_ms, x.txn,
+                                                              s.payload, x.partition, x.payload_zstd,
+                                                              x.encrypted, x.raw_size)::queen.timer_op)::integer
+                       END)::queen.timer_op
               FROM unnest(p_ops) WITH ORDINALITY AS x(op, queue, timer_key, delay_ms, txn, payload,
                                                   partition, payload_zstd, encrypted, raw_size, n)
               LEFT JOIN queen.staged_payloads s ON s.batch = p_staged AND s.n = x.n
